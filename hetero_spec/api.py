@@ -1,0 +1,190 @@
+"""Wires a llama.cpp target, a torch draft and the round loop into one object for apps.
+
+>>> hs = HeteroSpec("SmolLM2-135M-Instruct.Q4_0.gguf", "drafts/smollm2-darter.safetensors")
+>>> out = hs.chat([{"role": "user", "content": "Name three primes."}], max_new_tokens=64)
+>>> out.text, out.stats.mean_accepted_length
+>>> for piece in hs.generate("Once upon a time", stream=True):
+...     print(piece, end="")
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .chat_template import render_chat
+from .config import DenoiseConfig, SpecConfig
+from .errors import ContextFull, HeteroSpecError
+from .records import RunStats
+from .spec.orchestrator import generate_tokens
+from .target.llama_target import LlamaTarget, TargetOptions
+from .text_stream import TextAssembler
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]  # every generated id, including a final end-of-generation token
+    stats: RunStats
+
+
+@dataclass
+class TextStream:
+    """Iterator of text pieces; ``stats`` and ``tokens`` fill in as it runs (partial after an interrupt)."""
+
+    _pieces: Iterator[str]
+    stats: RunStats
+    tokens: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def close(self) -> None:
+        self._pieces.close()  # type: ignore[attr-defined]
+
+
+class HeteroSpec:
+    """A target GGUF on the CPU plus an optional draft; one conversation state (KV reuse across calls)."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        draft: str | Path | None = None,
+        *,
+        n_ctx: int = 4096,
+        threads: int = 0,
+        draft_device: str = "auto",
+        draft_dtype: str = "auto",
+        denoise: DenoiseConfig = DenoiseConfig(),
+    ) -> None:
+        self.target = LlamaTarget(target, TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None))
+        self.draft = None
+        try:
+            if draft is not None:
+                self.draft = load_runner(self.target, draft, device=draft_device, dtype=draft_dtype, denoise=denoise)
+        except BaseException:
+            self.target.close()
+            raise
+
+    def close(self) -> None:
+        self.target.close()
+
+    def reset(self) -> None:
+        """Forget the cached conversation (both KV caches); the next call prefills from scratch."""
+        self.target.reset()
+        if self.draft is not None:
+            self.draft.reset()
+
+    def __enter__(self) -> "HeteroSpec":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ requests
+    def render(self, messages: list[dict[str, str]]) -> str:
+        t = self.target
+        return render_chat(t.chat_template, messages, bos_token=t.bos_token, eos_token=t.eos_token)
+
+    def chat(self, messages: list[dict[str, str]], *, stream: bool = False, **options) -> Completion | TextStream:
+        """Apply the GGUF's chat template, then ``generate`` (special tokens in the template are parsed)."""
+        if not messages or not str(messages[-1].get("content", "")).strip():
+            raise HeteroSpecError("empty prompt")
+        return self.generate(self.render(messages), stream=stream, _templated=True, **options)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = 256,
+        draft_len: int = 3,
+        stop: tuple[str, ...] | list[str] = (),
+        stream: bool = False,
+        _templated: bool = False,
+    ) -> Completion | TextStream:
+        """Greedy generation; identical output to the target alone, faster when the draft is good.
+
+        ``draft_len`` is k, the drafts per round (0 = plain decoding).  With ``stream`` the
+        result is an iterator of text pieces whose ``stats`` fill in as it runs.
+        """
+        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop))
+        tokens = self._prompt_tokens(prompt, _templated)
+        stats = RunStats(prompt_tokens=len(tokens))
+        ts = TextStream(iter(()), stats)
+        ts._pieces = self._run(tokens, cfg, ts)
+        if stream:
+            return ts
+        text = "".join(ts)
+        return Completion(text, ts.tokens, stats)
+
+    def _prompt_tokens(self, prompt: str | list[int], templated: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise HeteroSpecError("empty prompt")
+            # A templated prompt already carries BOS where the template wants it.
+            tokens = self.target.tokenize(prompt, add_special=not templated, parse_special=True)
+        else:
+            tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise HeteroSpecError("empty prompt")
+        if len(tokens) >= self.target.n_ctx:
+            raise ContextFull(f"prompt of {len(tokens)} tokens does not fit the context of {self.target.n_ctx} (use --ctx)")
+        return tokens
+
+    def _run(self, tokens: list[int], cfg: SpecConfig, ts: TextStream) -> Iterator[str]:
+        stats, target = ts.stats, self.target
+        text = TextAssembler(target.piece, cfg.stop)
+        t0 = time.perf_counter()
+        steps = generate_tokens(target, self.draft, tokens, max_new_tokens=cfg.max_new_tokens, draft_len=cfg.draft_len)
+        try:
+            for step in steps:
+                if step.round is None and not stats.rounds and not ts.tokens:
+                    stats.prefill_s = time.perf_counter() - t0
+                if step.round is not None:
+                    stats.observe(step.round)
+                ts.tokens.extend(step.tokens)
+                stats.new_tokens = len(ts.tokens)
+                visible = [t for t in step.tokens if not target.is_eog(t)]
+                piece = text.feed(visible)
+                stats.wall_s = time.perf_counter() - t0
+                if text.stopped:
+                    stats.stop_reason = "stop_string"
+                elif step.stop_reason:
+                    stats.stop_reason = step.stop_reason
+                if piece:
+                    yield piece
+                if text.stopped:
+                    break
+            tail = text.finish()
+            if tail:
+                yield tail
+        except GeneratorExit:
+            stats.stop_reason = stats.stop_reason or "interrupted"
+            raise
+        finally:
+            steps.close()
+            stats.wall_s = time.perf_counter() - t0
+
+
+def load_runner(target: LlamaTarget, path: str | Path, *, device: str, dtype: str, denoise: DenoiseConfig):
+    """Load a draft file against this target: check the fingerprint, borrow embedding and head."""
+    import torch
+
+    from .draft.checkpoint import load_draft
+    from .draft.runner import DraftRunner
+    from .target.gguf_weights import load_target_weights
+
+    model = load_draft(path, target.fingerprint)
+    weights = load_target_weights(target.path)
+    model.attach_target_weights(torch.from_numpy(_writable(weights.embedding)), torch.from_numpy(_writable(weights.head)))
+    return DraftRunner(model, device=device, dtype=dtype, denoise=denoise)
+
+
+def _writable(arr):
+    import numpy as np
+
+    return np.array(arr, dtype=np.float32, copy=True) if not arr.flags.writeable else arr
+
+
+__all__ = ["HeteroSpec", "Completion", "TextStream", "HeteroSpecError"]

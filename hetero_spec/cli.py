@@ -1,0 +1,122 @@
+"""Command line: thin click commands that parse options, build a config and call the API."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .config import ConfigError, DenoiseConfig
+from .errors import HeteroSpecError
+
+DEVICE_HELP = "where the draft runs: auto (CUDA when torch sees it), cpu, cuda or cuda:N"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="hetero-spec")
+def cli() -> None:
+    """Speculative decoding: a GGUF target on the CPU, a small PyTorch draft beside it."""
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("draft", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-p", "--prompt", help="prompt text; omit for an interactive session")
+@click.option("--chat/--raw", default=True, show_default=True, help="apply the GGUF's chat template")
+@click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--draft-len", "-k", default=3, show_default=True, type=click.IntRange(0, 32), help="draft tokens per round")
+@click.option("--no-draft", is_flag=True, help="plain greedy decoding through the same code, for comparison")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
+@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
+@click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--draft-dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16")
+@click.option("--denoise", default=0.0, show_default=True, type=float, help="drop draft keys whose importance gate is below this")
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
+def run(model, draft, prompt, chat, max_tokens, draft_len, no_draft, threads, ctx, draft_device, draft_dtype,
+        denoise, stop, stats_json) -> None:
+    """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens."""
+    from .api import HeteroSpec
+
+    if draft is None and not no_draft:
+        raise HeteroSpecError("give a DRAFT file, or --no-draft for plain decoding")
+    options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else draft_len, stop=stop)
+    with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
+                    draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise)) as hs:
+        if prompt is not None:
+            _one_turn(hs, prompt, chat, options, stats_json, history=None)
+            return
+        history: list[dict[str, str]] = []
+        click.echo("interactive session: empty line or Ctrl-D to quit", err=True)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                return
+            if not line.strip():
+                return
+            _one_turn(hs, line, chat, options, stats_json, history=history)
+
+
+def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | None, history: list | None) -> None:
+    if chat:
+        messages = (history or []) + [{"role": "user", "content": prompt}]
+        stream = hs.chat(messages, stream=True, **options)
+    else:
+        stream = hs.generate(prompt, stream=True, **options)
+    interrupted = False
+    try:
+        for piece in stream:
+            click.echo(piece, nl=False)
+    except KeyboardInterrupt:
+        interrupted = True
+        stream.close()
+        stream.stats.stop_reason = "interrupted"
+    click.echo()
+    if history is not None and chat:
+        history += [messages[-1], {"role": "assistant", "content": hs.target.detokenize(
+            [t for t in stream.tokens if not hs.target.is_eog(t)])}]
+    click.echo(f"[{stream.stats.summary()}]", err=True)
+    if stats_json is not None:
+        stats_json.write_text(json.dumps(stream.stats.to_dict(), indent=2))
+    if interrupted:
+        sys.exit(130)
+
+
+@cli.command("new-draft")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--preset", type=click.Choice(["darter", "dovetail", "eagle"]), default="darter", show_default=True)
+@click.option("--blocks", type=click.IntRange(1), help="decoder blocks (default from the preset)")
+@click.option("--reduced-vocab", default=8192, show_default=True, type=click.IntRange(0),
+              help="head rows kept (0 = full vocabulary); untrained drafts keep the lowest ids")
+@click.option("--seed", default=0, show_default=True)
+def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
+    """Write an untrained (randomly initialised) draft for MODEL; training replaces it with a useful one."""
+    from .draft_factory import create_draft
+
+    path = create_draft(model, out, preset=preset, n_blocks=blocks, reduced_vocab=reduced_vocab, seed=seed)
+    click.echo(f"wrote {path}")
+
+
+def main() -> None:
+    """Console entry point: user mistakes become one line on stderr and a non-zero exit."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (HeteroSpecError, ConfigError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Frozen configuration records shared by the target, the draft and the round loop.
+
+Configs are plain data: no globals, no defaults hidden in constructors.  A draft file
+carries its ``DraftConfig`` as JSON so that loading it needs no other file.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value a user supplied is invalid (rendered as a one-line error)."""
+
+
+@dataclass(frozen=True)
+class TargetFingerprint:
+    """What a draft must agree with to be used on a target.
+
+    The tokenizer hash covers every token's text, so two GGUFs of the same model in
+    different quantizations share a fingerprint while a different tokenizer does not.
+    """
+
+    architecture: str
+    n_embd: int
+    n_vocab: int
+    tokenizer_sha256: str
+
+    def mismatches(self, other: "TargetFingerprint") -> list[str]:
+        return [
+            f"{f.name}: draft has {getattr(other, f.name)!r}, target has {getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Architecture of a draft model; serialised into the safetensors metadata."""
+
+    n_embd: int  # the target's feature size (input f_t and predicted f_{t+1})
+    n_vocab: int  # the target's vocabulary
+    hidden_size: int = 576
+    n_blocks: int = 1  # m decoder blocks (Dovetail: deeper helps more than wider)
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    ffn_size: int = 1536
+    rope_theta: float = 100000.0
+    rms_eps: float = 1e-5
+    fusion: str = "dgf"  # "dgf" (Dovetail) | "fc" (EAGLE)
+    gate: str = "darter"  # "darter" (importance gate) | "none"
+    reduced_vocab: int = 0  # 0 = full head; else number of target ids kept (mapping in the file)
+    max_positions: int = 8192
+    fingerprint: TargetFingerprint | None = None
+
+    def __post_init__(self) -> None:
+        if self.fusion not in ("dgf", "fc"):
+            raise ConfigError(f"fusion must be 'dgf' or 'fc', not {self.fusion!r}")
+        if self.gate not in ("darter", "none"):
+            raise ConfigError(f"gate must be 'darter' or 'none', not {self.gate!r}")
+        if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"hidden_size {self.hidden_size} must divide into {self.n_heads} heads "
+                f"and heads into {self.n_kv_heads} kv heads"
+            )
+        if (self.hidden_size // self.n_heads) % 2:
+            raise ConfigError("head size must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DraftConfig":
+        data: dict[str, Any] = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"draft config has unknown keys {sorted(unknown)}")
+        fp = data.pop("fingerprint", None)
+        return cls(**data, fingerprint=TargetFingerprint(**fp) if fp else None)
+
+
+# Named draft shapes; the CLI's --preset and the trainer pick from here.
+DRAFT_PRESETS: dict[str, dict[str, Any]] = {
+    "eagle": dict(fusion="fc", gate="none", n_blocks=1),
+    "dovetail": dict(fusion="dgf", gate="none", n_blocks=2),
+    "darter": dict(fusion="dgf", gate="darter", n_blocks=2),
+}
+
+
+@dataclass(frozen=True)
+class DenoiseConfig:
+    """DarterSD Boolean-mask denoising of the draft's attention at inference."""
+
+    threshold: float = 0.0  # keys with gate s_j below this are dropped; 0 disables
+    recent_window: int = 32  # the last W keys are always kept
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold < 1.0:
+            raise ConfigError(f"denoise threshold must be in [0, 1), not {self.threshold}")
+        if self.recent_window < 1:
+            raise ConfigError("denoise recent window must be at least 1")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Token selection; temperature 0 means greedy (exact equality with plain decoding)."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """One generation request."""
+
+    max_new_tokens: int = 256
+    draft_len: int = 3  # k draft tokens per round; 0 = plain decoding, no draft at all
+    stop: tuple[str, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    denoise: DenoiseConfig = field(default_factory=DenoiseConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens must be at least 1")
+        if not 0 <= self.draft_len <= 32:
+            raise ConfigError(f"draft length must be in 0..32, not {self.draft_len}")
+        if not self.sampling.greedy:
+            raise ConfigError("only greedy decoding (temperature 0) is supported so far")
+
+    def with_(self, **changes: Any) -> "SpecConfig":
+        return replace(self, **changes)

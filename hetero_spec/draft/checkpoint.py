@@ -1,0 +1,86 @@
+"""Self-describing draft files: safetensors weights + config JSON in the metadata.
+
+The target's embedding and LM head are not in the file; the fingerprint says which
+target they must come from.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..config import ConfigError, DraftConfig, TargetFingerprint
+from ..errors import DraftError
+from .model import DraftModel
+
+CONFIG_KEY = "hetero_spec.draft_config"
+FORMAT_KEY = "hetero_spec.format"
+FORMAT = "1"
+
+
+def save_draft(model: DraftModel, path: str | Path, extra: dict[str, str] | None = None) -> None:
+    """Write atomically, so an interrupted save never leaves a half-written draft behind."""
+    path = Path(path)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    meta = {CONFIG_KEY: model.cfg.to_json(), FORMAT_KEY: FORMAT, **(extra or {})}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(state, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def read_config(path: str | Path) -> DraftConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise DraftError(f"draft file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DraftError(f"{path.name} is not a readable safetensors file ({_first_line(exc)})") from None
+    if CONFIG_KEY not in meta:
+        raise DraftError(f"{path.name} is not a hetero-spec draft (no {CONFIG_KEY} in its metadata)")
+    try:
+        return DraftConfig.from_json(meta[CONFIG_KEY])
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise DraftError(f"{path.name} has an invalid draft config: {_first_line(exc)}") from None
+
+
+def load_draft(path: str | Path, target: TargetFingerprint | None = None) -> DraftModel:
+    """Build the model from the file; with ``target`` given, refuse a draft made for another model."""
+    path = Path(path)
+    cfg = read_config(path)
+    if target is not None:
+        check_compatible(cfg, target, path.name)
+    model = DraftModel(cfg)
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            state = {k: fh.get_tensor(k) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DraftError(f"{path.name} is truncated or corrupt ({_first_line(exc)})") from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise DraftError(f"{path.name} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
+
+
+def check_compatible(cfg: DraftConfig, target: TargetFingerprint, name: str) -> None:
+    if cfg.n_embd != target.n_embd:
+        raise DraftError(f"{name} expects hidden size {cfg.n_embd}, the target has {target.n_embd}")
+    if cfg.n_vocab != target.n_vocab:
+        raise DraftError(f"{name} expects a vocabulary of {cfg.n_vocab}, the target has {target.n_vocab}")
+    if cfg.fingerprint is not None:
+        diffs = target.mismatches(cfg.fingerprint)
+        if diffs:
+            raise DraftError(f"{name} was made for another target: " + "; ".join(diffs))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def to_tensor(array) -> torch.Tensor:
+    return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array

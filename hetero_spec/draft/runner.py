@@ -1,0 +1,203 @@
+"""Runs a DraftModel for inference: device and dtype, a position-indexed KV cache, proposals.
+
+The cache is indexed by position (gpt-fast style): rolling back rejected drafts is
+setting ``n`` back, never copying.  Cell i holds the block states computed from
+(f_i, x_{i+1}); only cells computed from real target features are kept across rounds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import DenoiseConfig
+from ..errors import DraftError
+from .int8 import Int8Linear, int8_available, quantize_linears
+from .model import DraftModel
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` = CUDA when torch sees it, else CPU; ``cuda[:N]`` fails clearly without CUDA."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise DraftError(f"unknown draft device {spec!r} (use auto, cpu or cuda[:N])") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DraftError(f"draft device {spec} requested but torch sees no CUDA device")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DraftError(f"draft device {spec} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    elif dev.type != "cpu":
+        raise DraftError(f"unsupported draft device {spec!r} (use auto, cpu or cuda[:N])")
+    return dev
+
+
+def resolve_dtype(spec: str, device: torch.device) -> tuple[torch.dtype, bool]:
+    """(activation dtype, int8 weights).  ``auto``: bf16 on CUDA; int8 weights on a CPU with fbgemm."""
+    if spec == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16, False
+        return torch.float32, int8_available()
+    if spec == "int8":
+        if device.type != "cpu" or not int8_available():
+            raise DraftError("int8 draft weights need the CPU and torch's fbgemm engine")
+        return torch.float32, True
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if spec not in table:
+        raise DraftError(f"unknown draft dtype {spec!r} (use auto, int8, float32, bfloat16 or float16)")
+    return table[spec], False
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = fh.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+@dataclass
+class DraftCache:
+    k: list[torch.Tensor]  # per block [1, n_kv, max_pos, hd]
+    v: list[torch.Tensor]
+    log_gate: list[torch.Tensor]  # per block [max_pos] float32 (zeros without a gate)
+    n: int = 0  # cells 0..n-1 are valid
+
+
+class DraftRunner:
+    """Holds a draft on its device and proposes chains of tokens.
+
+    >>> runner = DraftRunner(model, device="cpu")
+    >>> runner.propose(features, tokens, k=3)  # features [m, n_embd] float32, tokens [m] -> [k] ids
+    >>> runner.rollback(runner.n - 2)
+    """
+
+    def __init__(
+        self,
+        model: DraftModel,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        denoise: DenoiseConfig = DenoiseConfig(),
+        cpu_threads: int = 1,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.dtype, self.int8 = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            # Draft-sized matmuls gain nothing from a second thread, and a second pool
+            # spinning beside llama.cpp's slows the target's decode.
+            torch.set_num_threads(cpu_threads)
+        if model.embed.numel() == 0:
+            raise DraftError("draft has no target weights attached (call attach_target_weights)")
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rope_cos = self.model.rope_cos.float()
+        self.model.rope_sin = self.model.rope_sin.float()
+        if self.int8:
+            quantize_linears(self.model)
+            self._head = Int8Linear(self.model.head, None)
+        else:
+            head_t = self.model.head.t()
+            self._head = lambda feat: feat @ head_t
+        self.cfg = model.cfg
+        self.denoise = denoise
+        self._log_threshold = math.log(denoise.threshold) if denoise.threshold > 0 else None
+        self.cache = self._new_cache()
+        self._zeros = torch.zeros(self.cfg.max_positions, device=self.device)
+
+    def _new_cache(self) -> DraftCache:
+        c, shape = self.cfg, (1, self.cfg.n_kv_heads, self.cfg.max_positions, self.cfg.head_dim)
+        make = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
+        return DraftCache(
+            k=[make() for _ in range(c.n_blocks)],
+            v=[make() for _ in range(c.n_blocks)],
+            log_gate=[torch.zeros(c.max_positions, device=self.device) for _ in range(c.n_blocks)],
+        )
+
+    @property
+    def n(self) -> int:
+        return self.cache.n
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_positions
+
+    def reset(self) -> None:
+        self.cache.n = 0
+
+    def rollback(self, n_keep: int) -> None:
+        if not 0 <= n_keep <= self.cache.n:
+            raise DraftError(f"draft rollback to {n_keep} outside 0..{self.cache.n}")
+        self.cache.n = n_keep
+
+    @torch.inference_mode()
+    def propose(self, features: np.ndarray, tokens: np.ndarray | list[int], k: int) -> list[int]:
+        """Consume real rows, then draft ``k`` tokens greedily.
+
+        features [m, n_embd] float32: f_i for positions n..n+m-1; tokens [m]: x_{i+1}.
+        The first k-1 proposals are fed back as (predicted feature, drafted token); their
+        cells stay in the cache until the caller rolls back to the real prefix.
+        """
+        m = len(tokens)
+        if m == 0 or k < 1:
+            raise DraftError("propose needs at least one real row and k >= 1")
+        if self.cache.n + m + k - 1 > self.cfg.max_positions:
+            raise DraftError(f"draft context of {self.cfg.max_positions} positions is full")
+        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
+        t = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
+        feat = self._forward(f[None], t[None])[:, -1:]  # [1, 1, n_embd]
+        out: list[int] = []
+        for j in range(k):
+            tok = self.model.d2t[self._head(feat[0]).argmax()]
+            out.append(int(tok))
+            if j + 1 < k:
+                feat = self._forward(feat, tok.view(1, 1))
+        return out
+
+    @torch.inference_mode()
+    def prefill(self, features: np.ndarray, tokens: np.ndarray | list[int]) -> None:
+        """Consume real rows without proposing (used when a prompt is cached ahead of drafting)."""
+        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
+        t = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
+        self._forward(f[None], t[None])
+
+    def _forward(self, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """f [1, T, n_embd], tokens [1, T] at positions n..n+T-1 -> predicted features [1, T, n_embd]."""
+        model, cache = self.model, self.cache
+        T, p0 = tokens.shape[1], cache.n
+        L = p0 + T
+        x = model.fusion(f, model.embed[tokens])
+        cos, sin = model.rope_cos[p0:L], model.rope_sin[p0:L]
+        for i, blk in enumerate(model.blocks):
+            q, k, v, log_gate = blk.project(x, cos, sin)
+            cache.k[i][:, :, p0:L] = k
+            cache.v[i][:, :, p0:L] = v
+            if log_gate is not None:
+                cache.log_gate[i][p0:L] = log_gate[0]
+            bias = self._bias(cache.log_gate[i][:L], T, L, log_gate is not None)
+            x = blk.finish(x, q, cache.k[i][:, :, :L], cache.v[i][:, :, :L], bias)
+        cache.n = L
+        return model.feature_out(x)
+
+    def _bias(self, log_gate: torch.Tensor, T: int, L: int, gated: bool) -> torch.Tensor:
+        """Additive attention bias [1, 1, T, L]: causal, plus log s_j, plus the denoising mask."""
+        bias = log_gate if gated else self._zeros[:L]
+        if gated and self._log_threshold is not None and L > self.denoise.recent_window:
+            old = L - self.denoise.recent_window  # keys before this index may be dropped
+            bias = bias.clone()
+            bias[:old].masked_fill_(bias[:old] < self._log_threshold, float("-inf"))
+        if T > 1:
+            return (bias + _causal_tail(T, L, self.device))[None, None]
+        return bias.view(1, 1, 1, L)
+
+
+def _causal_tail(T: int, L: int, device: torch.device) -> torch.Tensor:
+    """[T, L] mask for the last T query rows of a length-L causal attention."""
+    rows = torch.arange(L - T, L, device=device)[:, None]
+    cols = torch.arange(L, device=device)[None, :]
+    return torch.zeros(T, L, device=device).masked_fill_(cols > rows, float("-inf"))

@@ -1,0 +1,154 @@
+"""The one importer of llama-cpp-python's raw bindings.
+
+Three layers at the C boundary: this module (raw calls, version pin, return codes to
+exceptions), the owners below (explicit close order: batch and context before the
+model), and ``LlamaTarget`` on top.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp.llama_cpp as C
+
+from ..errors import TargetError
+
+PINNED_VERSION = "0.3.36"
+if llama_cpp.__version__ != PINNED_VERSION:  # the ctypes structs mirror one llama.h
+    raise ImportError(
+        f"hetero-spec needs llama-cpp-python=={PINNED_VERSION} (found {llama_cpp.__version__}); "
+        "its low-level structs follow llama.h of that release"
+    )
+
+
+_DECODE_CODES = {
+    1: "no KV cache slot for the batch (context full)",
+    2: "decode aborted",
+    -1: "invalid batch",
+}
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_callback = None  # keep a reference: llama.cpp holds the raw function pointer
+
+
+def ensure_backend(verbose: bool = False) -> None:
+    """Initialise llama.cpp once per process and, unless verbose, silence its logging."""
+    global _backend_ready, _log_callback
+    with _backend_lock:
+        if _backend_ready:
+            return
+        if not verbose and os.environ.get("HETERO_SPEC_LLAMA_LOG") is None:
+
+            @C.llama_log_callback
+            def _quiet(level, text, user_data):  # noqa: ARG001
+                return None
+
+            _log_callback = _quiet
+            C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        C.llama_backend_init()
+        _backend_ready = True
+
+
+def check_decode(rc: int) -> None:
+    if rc != 0:
+        raise TargetError(f"llama_decode failed ({rc}): {_DECODE_CODES.get(rc, 'internal error')}")
+
+
+def check_gguf_header(path: Path) -> None:
+    """Fail fast with a clear message before llama.cpp aborts or prints pages of log."""
+    if not path.is_file():
+        raise TargetError(f"model file not found: {path}")
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise TargetError(f"{path} is not a GGUF file (bad magic {magic!r})")
+
+
+class ModelHandle:
+    """Owns a ``llama_model``; must outlive every context made from it."""
+
+    def __init__(self, path: Path, *, vocab_only: bool = False) -> None:
+        check_gguf_header(path)
+        ensure_backend()
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = 0  # the target runs on the CPU by design
+        params.vocab_only = vocab_only
+        self.ptr = C.llama_model_load_from_file(str(path).encode(), params)
+        if not self.ptr:
+            raise TargetError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
+        self.vocab = C.llama_model_get_vocab(self.ptr)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        if self.ptr:
+            C.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class ContextHandle:
+    """Owns a ``llama_context``; closed before its model."""
+
+    def __init__(
+        self,
+        model: ModelHandle,
+        *,
+        n_ctx: int,
+        n_batch: int,
+        n_threads: int,
+        embeddings: bool,
+        n_seq_max: int = 1,
+        kv_unified: bool = False,
+    ) -> None:
+        params = C.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.embeddings = embeddings
+        params.pooling_type = C.LLAMA_POOLING_TYPE_NONE
+        params.kv_unified = kv_unified
+        params.no_perf = True
+        self.ptr = C.llama_init_from_model(model.ptr, params)
+        if not self.ptr:
+            raise TargetError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self.memory = C.llama_get_memory(self.ptr)
+
+    def close(self) -> None:
+        if self.ptr:
+            C.llama_free(self.ptr)
+            self.ptr = None
+
+
+class BatchHandle:
+    """Owns a ``llama_batch`` and exposes its arrays as NumPy views, filled without per-row ctypes calls."""
+
+    def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
+        import numpy as np
+
+        self.capacity = capacity
+        self.raw = C.llama_batch_init(capacity, 0, n_seq_max)
+        self.token = np.ctypeslib.as_array(self.raw.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(self.raw.pos, shape=(capacity,))
+        self.n_seq_id = np.ctypeslib.as_array(self.raw.n_seq_id, shape=(capacity,))
+        self.output = np.ctypeslib.as_array(self.raw.logits, shape=(capacity,))
+        self.seq_ids = [
+            np.ctypeslib.as_array(self.raw.seq_id[i], shape=(n_seq_max,)) for i in range(capacity)
+        ]
+        for row in self.seq_ids:  # chain decoding: every row in sequence 0
+            row[0] = 0
+        self.n_seq_id[:] = 1
+
+    def close(self) -> None:
+        if self.raw is not None:
+            C.llama_batch_free(self.raw)
+            self.raw = None

@@ -1,0 +1,264 @@
+"""The verifying model: a GGUF decoder on the CPU through llama.cpp's low-level API.
+
+With ``embeddings=True`` and pooling NONE, one ``llama_decode`` returns, for every row,
+both the logits and the final-norm hidden state (the LM head's input), which is exactly
+the feature the draft consumes.  llama.cpp then makes every row an output, so a
+verification of k+1 tokens pays the LM head k+1 times; plain decoding switches
+embeddings off and asks for the last row only.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import TargetFingerprint
+from . import _ffi
+from ..errors import ContextFull, TargetError
+from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
+
+
+def default_threads() -> int:
+    """Physical cores available to this process (this project's machines have no SMT)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# llama.cpp's CPU backend switches to different matmul kernels at 64 rows a micro-batch
+# (measured on SmolLM2 Q4_1: logits of the same tokens then differ by up to 0.7).  Below
+# that, a token's KV cells and logits are bit-identical whatever the batch around them,
+# so prefix reuse equals a fresh prefill and a k+1-row verification equals k+1
+# single-token decodes.  Chunking the prefill at 32 costs about 12% of prefill speed.
+BATCH_INVARIANT_ROWS = 32
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    n_ctx: int = 4096
+    n_batch: int = BATCH_INVARIANT_ROWS
+    n_threads: int = 0  # 0 = all physical cores
+    embeddings: bool = True  # needed to feed a draft; plain decoding turns it off
+
+
+class LlamaTarget:
+    """Prefill / verify / rollback over one llama.cpp sequence.
+
+    >>> t = LlamaTarget("SmolLM2.gguf")
+    >>> hidden, logits = t.prefill(t.tokenize("Hello"))   # [n, n_embd], [n_vocab]
+    >>> logits, hidden = t.verify([42, 7, 9])              # views, valid until the next decode
+    >>> t.rollback(t.n_past - 2)                           # drop the last two cells
+    """
+
+    def __init__(self, path: str | Path, options: TargetOptions = TargetOptions()) -> None:
+        self.path = Path(path)
+        self.options = options
+        self._model = ModelHandle(self.path)
+        self._ctx: ContextHandle | None = None
+        self._batch: BatchHandle | None = None
+        try:
+            if not C.llama_model_has_decoder(self._model.ptr) or C.llama_model_has_encoder(self._model.ptr):
+                raise TargetError(f"{self.path.name} is not a decoder-only language model")
+            self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
+            self.n_embd = C.llama_model_n_embd(self._model.ptr)
+            if self.n_vocab <= 0 or self.n_embd <= 0:
+                raise TargetError(f"{self.path.name} has no vocabulary or embedding (not a language model)")
+            self.n_ctx_train = C.llama_model_n_ctx_train(self._model.ptr)
+            self.architecture = self._model.meta("general.architecture") or "unknown"
+            n_threads = options.n_threads or default_threads()
+            self._ctx = ContextHandle(
+                self._model,
+                n_ctx=options.n_ctx,
+                n_batch=options.n_batch,
+                n_threads=n_threads,
+                embeddings=options.embeddings,
+            )
+            # llama.cpp may round the context up; the limit callers asked for is what we enforce
+            self.n_ctx = min(options.n_ctx, C.llama_n_ctx(self._ctx.ptr))
+            self.n_threads = n_threads
+            self._batch = BatchHandle(options.n_batch)
+        except BaseException:
+            self.close()
+            raise
+        self.embeddings = options.embeddings
+        self.tokens: list[int] = []  # the token ids whose cells are in the KV cache, in order
+        self._pieces: dict[int, bytes] = {}
+        self._fingerprint: TargetFingerprint | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        for owner in (self._batch, self._ctx, self._model):  # batch, context, then model
+            if owner is not None:
+                owner.close()
+
+    def __enter__(self) -> "LlamaTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- vocabulary
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self._model.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # buffer too small: llama.cpp returns the negated size it needs
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self._model.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise TargetError("tokenization failed")
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token as it appears in generated text (special tokens rendered)."""
+        cached = self._pieces.get(token)
+        if cached is None:
+            buf = ctypes.create_string_buffer(256)
+            n = C.llama_token_to_piece(self._model.vocab, token, buf, len(buf), 0, False)
+            cached = buf.raw[: max(n, 0)]
+            self._pieces[token] = cached
+        return cached
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._model.vocab, token))
+
+    def token_text(self, token: int) -> str:
+        return C.llama_vocab_get_text(self._model.vocab, token).decode("utf-8", errors="replace")
+
+    @property
+    def bos_token(self) -> str:
+        tid = C.llama_vocab_bos(self._model.vocab)
+        return self.token_text(tid) if tid >= 0 else ""
+
+    @property
+    def eos_token(self) -> str:
+        tid = C.llama_vocab_eos(self._model.vocab)
+        return self.token_text(tid) if tid >= 0 else ""
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._model.meta("tokenizer.chat_template")
+
+    @property
+    def fingerprint(self) -> TargetFingerprint:
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for t in range(self.n_vocab):
+                h.update(C.llama_vocab_get_text(self._model.vocab, t))
+                h.update(b"\0")
+            self._fingerprint = TargetFingerprint(
+                architecture=self.architecture,
+                n_embd=self.n_embd,
+                n_vocab=self.n_vocab,
+                tokenizer_sha256=h.hexdigest(),
+            )
+        return self._fingerprint
+
+    # ------------------------------------------------------------------- decoding
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def set_embeddings(self, on: bool) -> None:
+        """Hidden states on (speculative) or off (plain decoding: last-row logits only)."""
+        if on != self.embeddings:
+            C.llama_set_embeddings(self._ctx.ptr, on)
+            self.embeddings = on
+
+    def prefill(self, tokens: list[int], max_reuse: int | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+        """Make the KV cache hold exactly ``tokens``, reusing a cached prefix.
+
+        Returns the hidden states of the rows decoded now (``[n_new, n_embd] float32``,
+        None with embeddings off; the first decoded position is ``len(tokens) - n_new``)
+        and the logits of the last row (``[n_vocab] float32``).  The last shared token is
+        decoded again, so a draft that must rebuild its cell there gets its feature;
+        ``max_reuse`` caps the reuse where the draft's own cache is shorter.
+        """
+        if not tokens:
+            raise TargetError("empty prompt")
+        if len(tokens) > self.n_ctx:
+            raise ContextFull(f"prompt of {len(tokens)} tokens exceeds the context of {self.n_ctx}")
+        keep = max(0, min(_common_prefix(self.tokens, tokens), len(tokens)) - 1)
+        if max_reuse is not None:
+            keep = min(keep, max_reuse)
+        self.rollback(keep)
+        hidden_parts: list[np.ndarray] = []
+        logits = None
+        step = self.options.n_batch
+        for start in range(keep, len(tokens), step):
+            chunk = tokens[start : start + step]
+            logits_rows, hidden_rows = self._decode(chunk)
+            if hidden_rows is not None:
+                hidden_parts.append(hidden_rows.copy())
+            logits = logits_rows[-1].copy()
+        hidden = np.concatenate(hidden_parts) if hidden_parts else None
+        return hidden, logits
+
+    def verify(self, tokens: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Decode ``tokens`` (the last accepted token then k drafts) in one call.
+
+        Returns views into llama.cpp's buffers, valid until the next decode:
+        logits ``[n, n_vocab] float32`` and hidden ``[n, n_embd] float32`` (None with
+        embeddings off, in which case logits has only the last row).
+        """
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextFull(f"context of {self.n_ctx} tokens is full")
+        return self._decode(tokens)
+
+    def rollback(self, n_keep: int) -> None:
+        """Drop every cell at position >= n_keep (rejected drafts) by position, never by copying."""
+        if n_keep >= self.n_past:
+            return
+        ok = C.llama_memory_seq_rm(self._ctx.memory, 0, n_keep, -1)
+        if not ok:
+            raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep}")
+        del self.tokens[n_keep:]
+
+    def kv_pos_max(self) -> int:
+        """Largest position held by sequence 0 in llama.cpp (-1 when empty): the truth to assert against."""
+        return C.llama_memory_seq_pos_max(self._ctx.memory, 0)
+
+    def reset(self) -> None:
+        C.llama_memory_clear(self._ctx.memory, True)
+        self.tokens.clear()
+
+    def _decode(self, tokens) -> tuple[np.ndarray, np.ndarray | None]:
+        n = len(tokens)
+        b = self._batch
+        if n > b.capacity:
+            raise TargetError(f"batch of {n} tokens exceeds n_batch={b.capacity}")
+        start = self.n_past
+        b.token[:n] = tokens
+        b.pos[:n] = np.arange(start, start + n, dtype=np.int32)
+        if self.embeddings:
+            b.output[:n] = 1  # llama.cpp makes every row an output when embeddings are on
+        else:
+            b.output[:n] = 0
+            b.output[n - 1] = 1
+        b.raw.n_tokens = n
+        _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
+        self.tokens.extend(int(t) for t in tokens)
+        n_out = n if self.embeddings else 1
+        logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n_out, self.n_vocab))
+        hidden = None
+        if self.embeddings:
+            hidden = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))
+        return logits, hidden
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,42 @@
+"""Shared fixtures: the real default GGUF, the benchmark prompts, an untrained draft for it."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from hetero_spec.default_model import shipped_model_path
+
+warnings.filterwarnings("ignore", message=".*quantiz.*", category=UserWarning)
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "bench"
+
+
+def bench_prompts(name: str, n: int) -> list[str]:
+    """First turns of ../shared/data/bench/<name>.jsonl (the checkout sits beside shared/)."""
+    path = BENCH_DIR / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return shipped_model_path()  # raises with the install command when the package is missing
+
+
+@pytest.fixture(scope="session")
+def random_draft_path(model_path, tmp_path_factory) -> Path:
+    from hetero_spec.draft_factory import create_draft
+
+    out = tmp_path_factory.mktemp("drafts") / "untrained.safetensors"
+    return create_draft(model_path, out, preset="darter", reduced_vocab=8192, seed=1)
+
+
+@pytest.fixture(scope="session")
+def hs(model_path, random_draft_path):
+    from hetero_spec.api import HeteroSpec
+
+    with HeteroSpec(model_path, random_draft_path, n_ctx=2048, draft_device="cpu") as h:
+        yield h

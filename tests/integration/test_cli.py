@@ -1,0 +1,117 @@
+"""The command line on the real GGUF: it runs, and every user mistake is one clear line."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hetero_spec.config import DraftConfig
+from hetero_spec.draft.checkpoint import load_draft, read_config, save_draft
+from hetero_spec.draft.model import DraftModel, init_weights
+
+CLI = [sys.executable, "-m", "hetero_spec"]
+PROMPT = "List three colours."
+
+
+def hetero(*args: str, timeout: float = 180, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, input=stdin)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_run_with_draft_matches_no_draft(model_path, random_draft_path, tmp_path):
+    stats = tmp_path / "stats.json"
+    spec = hetero("run", model_path, random_draft_path, "-p", PROMPT, "-n", "40", "-k", "3", "--stats-json", stats)
+    plain = hetero("run", model_path, "--no-draft", "-p", PROMPT, "-n", "40")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    assert spec.stdout == plain.stdout and len(spec.stdout.strip()) > 10
+    assert "tok/s" in spec.stderr and "mean accepted length" in spec.stderr
+    record = json.loads(stats.read_text())
+    assert record["new_tokens"] <= 40 and record["rounds"] >= 1 and record["bytes_to_draft"] > 0
+
+
+def test_interactive_session_keeps_history(model_path, random_draft_path):
+    proc = hetero("run", model_path, random_draft_path, "-n", "12", stdin="Hi there\nAnd again\n\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("mean accepted length") == 2
+
+
+def test_stop_string(model_path):
+    args = ("run", model_path, "--no-draft", "-p", "Describe the sea in two sentences.", "-n", "60")
+    full = hetero(*args).stdout
+    words = full.split()
+    assert len(words) > 6
+    stop = " " + words[4]  # a stop string that the unconstrained output certainly contains
+    cut = hetero(*args, "--stop", stop)
+    assert cut.returncode == 0 and "stop_string" in cut.stderr
+    assert cut.stdout.rstrip("\n") == full[: full.index(stop)]
+
+
+def test_missing_and_non_gguf_model(tmp_path, random_draft_path):
+    assert_one_line_error(hetero("run", tmp_path / "nope.gguf", random_draft_path, "-p", "x"), "not found")
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello")
+    assert_one_line_error(hetero("run", text, random_draft_path, "-p", "x"), "not a GGUF")
+
+
+def test_truncated_gguf(tmp_path, model_path, random_draft_path):
+    cut = tmp_path / "cut.gguf"
+    with open(model_path, "rb") as src:
+        cut.write_bytes(src.read(3_000_000))
+    assert_one_line_error(hetero("run", cut, random_draft_path, "-p", "x"), "could not load")
+
+
+def test_draft_for_another_model(tmp_path, model_path, random_draft_path):
+    small = DraftConfig(n_embd=64, n_vocab=49152, hidden_size=64, n_heads=4, n_kv_heads=2, ffn_size=128)
+    save_draft(init_weights(DraftModel(small)), tmp_path / "small.safetensors")
+    assert_one_line_error(hetero("run", model_path, tmp_path / "small.safetensors", "-p", "x"), "64", "576")
+    cfg = read_config(random_draft_path)
+    other = replace(cfg, fingerprint=replace(cfg.fingerprint, tokenizer_sha256="0" * 64))
+    m = load_draft(random_draft_path)
+    m.cfg = other
+    save_draft(m, tmp_path / "other.safetensors")
+    assert_one_line_error(hetero("run", model_path, tmp_path / "other.safetensors", "-p", "x"), "tokenizer_sha256")
+
+
+def test_truncated_draft(tmp_path, model_path, random_draft_path):
+    data = Path(random_draft_path).read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 3])
+    assert_one_line_error(hetero("run", model_path, tmp_path / "cut.safetensors", "-p", "x"))
+
+
+def test_empty_and_too_long_prompt(model_path, random_draft_path):
+    assert_one_line_error(hetero("run", model_path, random_draft_path, "-p", "  "), "empty prompt")
+    long = "word " * 400
+    assert_one_line_error(hetero("run", model_path, random_draft_path, "--ctx", "128", "-p", long), "context")
+
+
+def test_bad_options_are_one_line(model_path, random_draft_path):
+    proc = hetero("run", model_path, random_draft_path, "-p", "x", "--draft-device", "cuda:7")
+    assert_one_line_error(proc, "cuda:7") if "torch sees no CUDA" in proc.stderr or "does not exist" in proc.stderr \
+        else pytest.fail(proc.stderr)
+    assert_one_line_error(hetero("run", model_path, "-p", "x"), "--no-draft")
+
+
+def test_ctrl_c_stops_cleanly_with_partial_stats(model_path, random_draft_path):
+    proc = subprocess.Popen([*CLI, "run", str(model_path), str(random_draft_path), "-p", "Write a long story.",
+                             "-n", "2000", "--ctx", "4096"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.read(20)  # generation has started once text arrives
+    assert first
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "interrupted" in err and "tok/s" in err

@@ -1,0 +1,59 @@
+"""Speculative output equals plain greedy decoding of the same GGUF, token for token."""
+from __future__ import annotations
+
+import pytest
+
+from hetero_spec.spec.orchestrator import generate_tokens
+from tests.conftest import bench_prompts
+
+from .oracle_draft import OracleDraft
+
+N_NEW = 64
+PROMPTS = bench_prompts("mt_bench", 4) + bench_prompts("humaneval", 2) + bench_prompts("gsm8k", 2) + bench_prompts(
+    "alpaca", 2
+)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(hs) -> dict[str, list[int]]:
+    hs.reset()  # fresh prefills; prefix reuse is batch-invariant too, tested in test_target
+    return {p: hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=0).tokens for p in PROMPTS}
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_untrained_draft_output_equals_plain(hs, plain_outputs, k):
+    for p in PROMPTS:
+        out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=k)
+        assert out.tokens == plain_outputs[p], f"k={k} diverged on {p[:50]!r}"
+        assert all(r.drafted <= k for r in out.stats.rounds) and out.stats.rounds
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_partially_right_draft_output_equals_plain(hs, plain_outputs, k):
+    """Rounds that accept 0..k drafts, on the real target: still exactly the plain output."""
+    accepted_counts = set()
+    for i, p in enumerate(PROMPTS):
+        prompt = hs.target.tokenize(hs.render([{"role": "user", "content": p}]), add_special=False)
+        reference = prompt + plain_outputs[p]
+        draft = OracleDraft(reference, error_rate=0.25, seed=i)
+        hs.target.reset()
+        steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=N_NEW, draft_len=k))
+        tokens = [t for s in steps for t in s.tokens]
+        assert tokens == plain_outputs[p], f"k={k} diverged on {p[:50]!r}"
+        rounds = [s.round for s in steps if s.round]
+        accepted_counts |= {r.accepted for r in rounds}
+        # every hidden row the draft saw belongs to an accepted token (or the prompt)
+        assert draft.features_seen <= len(prompt) + len(tokens)
+    assert accepted_counts == set(range(k + 1)), f"not every acceptance length was exercised: {accepted_counts}"
+
+
+def test_acceptance_counts_match_a_perfect_draft(hs, plain_outputs):
+    p = PROMPTS[0]
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": p}]), add_special=False)
+    draft = OracleDraft(prompt + plain_outputs[p], error_rate=0.0)
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=N_NEW, draft_len=4))
+    rounds = [s.round for s in steps if s.round]
+    assert [t for s in steps for t in s.tokens] == plain_outputs[p]
+    assert all(r.accepted == r.drafted for r in rounds)  # a perfect draft is never rejected
+    assert len(rounds) <= -(-N_NEW // 5) + 1

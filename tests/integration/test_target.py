@@ -1,0 +1,102 @@
+"""The llama.cpp target on the real GGUF: features, batch invariance, rollback, KV state."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_spec.errors import ContextFull, TargetError
+from hetero_spec.spec.orchestrator import generate_tokens
+from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+from tests.conftest import bench_prompts
+
+from .oracle_draft import OracleDraft
+
+
+@pytest.fixture(scope="module")
+def target(model_path):
+    with LlamaTarget(model_path, TargetOptions(n_ctx=1024, embeddings=True)) as t:
+        yield t
+
+
+def test_model_facts_come_from_the_gguf(target):
+    assert (target.n_vocab, target.n_embd, target.architecture) == (49152, 576, "llama")
+    assert "<|im_start|>" in target.chat_template
+    ids = target.tokenize("<|im_end|>", add_special=False)
+    assert len(ids) == 1 and target.is_eog(ids[0])  # end of turn parsed as one special token
+    assert target.detokenize(target.tokenize("Hello world", add_special=False)) == "Hello world"
+
+
+def test_hidden_state_is_the_lm_head_input(target):
+    """Logits == hidden @ head^T: the feature handed to the draft is the final-norm output."""
+    from hetero_spec.target.gguf_weights import load_target_weights
+
+    target.reset()
+    hidden, logits = target.prefill(target.tokenize("The capital of France is"))
+    head = np.asarray(load_target_weights(target.path).head)
+    approx = hidden[-1] @ head.T
+    # the GGUF head is Q8_0 inside llama.cpp with quantized activations: close, not equal
+    assert np.corrcoef(approx, logits)[0, 1] > 0.999
+    assert approx.argmax() == logits.argmax()
+
+
+def test_verify_equals_single_token_decodes_bitwise(target):
+    prompt = target.tokenize(bench_prompts("gsm8k", 1)[0])
+    extra = target.tokenize(" and then the answer is forty two because", add_special=False)
+    target.reset()
+    target.prefill(prompt)
+    one_by_one = np.stack([target.verify([t])[0][-1].copy() for t in extra])  # views: copy each
+    target.rollback(len(prompt))
+    logits, hidden = target.verify(extra)
+    np.testing.assert_array_equal(logits, one_by_one)
+
+
+def test_prefix_reuse_equals_fresh_prefill(target):
+    a, b = bench_prompts("alpaca", 2)
+    target.reset()
+    target.prefill(target.tokenize(a))
+    hidden_cached, logits_cached = target.prefill(target.tokenize(a[:40] + b))
+    target.reset()
+    hidden_fresh, logits_fresh = target.prefill(target.tokenize(a[:40] + b))
+    np.testing.assert_array_equal(logits_cached, logits_fresh)
+    np.testing.assert_array_equal(hidden_cached, hidden_fresh[-len(hidden_cached):])
+
+
+def test_kv_after_many_rounds_equals_fresh_decode(target, hs):
+    """After speculative rounds with rollbacks, the cache is exactly a fresh decode of the accepted text."""
+    p = bench_prompts("mt_bench", 3)[2]
+    prompt = target.tokenize(hs.render([{"role": "user", "content": p}]), add_special=False)
+    target.reset()
+    target.set_embeddings(False)
+    plain = [s.tokens for s in generate_tokens(target, None, prompt, max_new_tokens=80, draft_len=0)]
+    plain = [t for s in plain for t in s]
+    target.reset()
+    draft = OracleDraft(prompt + plain, error_rate=0.3, seed=7)
+    steps = list(generate_tokens(target, draft, prompt, max_new_tokens=80, draft_len=4))
+    assert len([s for s in steps if s.round]) > 15
+    kept = list(target.tokens)
+    assert kept == (prompt + plain)[: len(kept)] and target.kv_pos_max() == len(kept) - 1
+    probe = [plain[len(kept) - len(prompt)]]  # the next token the cache has not seen yet
+    cached_logits, _ = target.verify(probe)
+    cached = cached_logits[-1].copy()
+    target.reset()
+    _, fresh = target.prefill(kept + probe)
+    np.testing.assert_array_equal(cached, fresh)
+
+
+def test_context_full_and_empty_prompt(model_path):
+    with LlamaTarget(model_path, TargetOptions(n_ctx=32)) as t:
+        with pytest.raises(ContextFull):
+            t.prefill(list(range(100, 140)))
+        with pytest.raises(TargetError):
+            t.prefill([])
+        steps = list(generate_tokens(t, None, list(range(100, 120)), max_new_tokens=100, draft_len=0))
+        assert steps[-1].stop_reason == "context_full" and t.n_past == 32
+
+
+def test_rollback_drops_cells_by_position(target):
+    target.reset()
+    target.prefill(target.tokenize("one two three four five six"))
+    n = target.n_past
+    target.verify([11, 12, 13])
+    target.rollback(n + 1)
+    assert target.n_past == n + 1 and target.kv_pos_max() == n

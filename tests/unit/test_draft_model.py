@@ -1,0 +1,155 @@
+"""DGF and gate math, the draft KV cache and its rollback, int8 weights: pure torch, no target."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetero_spec.config import DenoiseConfig, DraftConfig
+from hetero_spec.draft.int8 import Int8Linear, int8_available
+from hetero_spec.draft.model import ConcatFusion, DraftModel, DynamicGatingFusion, _attend_one, init_weights
+from hetero_spec.draft.runner import DraftRunner
+
+D, V = 64, 300
+CFG = DraftConfig(n_embd=D, n_vocab=V, hidden_size=D, n_heads=4, n_kv_heads=2, ffn_size=128, n_blocks=2,
+                  max_positions=256)
+
+
+def make_model(cfg: DraftConfig = CFG, seed: int = 0) -> DraftModel:
+    torch.manual_seed(seed)
+    m = init_weights(DraftModel(cfg), seed)
+    for p in m.parameters():  # larger weights than the 0.02 init, so that bugs show in outputs
+        p.data.mul_(5.0)
+    m.attach_target_weights(torch.randn(V, D), torch.randn(V, D))
+    return m
+
+
+def test_dgf_matches_the_dovetail_formula():
+    fusion = DynamicGatingFusion(CFG)
+    torch.nn.init.normal_(fusion.emb_norm.weight)
+    f, e = torch.randn(3, D), torch.randn(3, D)
+    h1 = f @ fusion.w1.weight.T
+    en = e / torch.sqrt((e * e).mean(-1, keepdim=True) + CFG.rms_eps) * fusion.emb_norm.weight
+    h2 = F.silu(en @ fusion.w2.weight.T)
+    z = torch.sigmoid(torch.cat([h1, h2], -1) @ fusion.wz.weight.T + fusion.wz.bias)
+    torch.testing.assert_close(fusion(f, e), z * h1 + (1 - z) * h2, rtol=1e-5, atol=1e-5)
+
+
+def test_fc_fusion_is_one_linear_over_embedding_then_feature():
+    fusion = ConcatFusion(replace(CFG, fusion="fc"))
+    f, e = torch.randn(2, D), torch.randn(2, D)
+    expected = e @ fusion.fc.weight[:, :D].T + f @ fusion.fc.weight[:, D:].T + fusion.fc.bias
+    torch.testing.assert_close(fusion(f, e), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gate_scales_each_key_attention_weight_by_its_importance():
+    """softmax(z + log s) = s * exp(z) / sum: the gate multiplies a key's weight by s_j."""
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    s = torch.tensor([0.9, 0.1, 1.0, 0.5, 0.7])
+    out = _attend_one(q, k, v, s.log().view(1, 1, 1, 5))
+    qg = q.view(2, 2, 16)
+    w = torch.exp(qg @ k[0].transpose(1, 2) / 4.0) * s
+    manual = (w / w.sum(-1, keepdim=True)) @ v[0]
+    torch.testing.assert_close(out.view(2, 2, 16), manual, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_key_has_no_influence():
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    bias = torch.zeros(1, 1, 1, 5)
+    bias[..., 1] = float("-inf")
+    out = _attend_one(q, k, v, bias)
+    v2 = v.clone()
+    v2[:, :, 1] += 100.0
+    torch.testing.assert_close(_attend_one(q, k, v2, bias), out)
+    assert not torch.allclose(_attend_one(q, k, v2, torch.zeros_like(bias)), out)
+
+
+def test_gate_starts_open():
+    m = DraftModel(CFG)
+    assert torch.sigmoid(m.blocks[0].importance.bias).item() > 0.9
+
+
+def run_rows(runner: DraftRunner, feats: np.ndarray, toks: np.ndarray) -> torch.Tensor:
+    f = torch.from_numpy(feats)[None].to(runner.dtype)
+    with torch.inference_mode():
+        return runner._forward(f, torch.from_numpy(toks)[None]).float()
+
+
+def test_cached_steps_equal_full_forward():
+    """Chunked and single-token cached steps reproduce the teacher-forced full pass."""
+    m = make_model()
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((12, D)).astype(np.float32)
+    toks = rng.integers(0, V, 12)
+    with torch.no_grad():
+        full, _ = m(torch.from_numpy(feats)[None], torch.from_numpy(toks)[None])
+    r = DraftRunner(m, device="cpu", dtype="float32")
+    parts = [run_rows(r, feats[:5], toks[:5])] + [run_rows(r, feats[i : i + 1], toks[i : i + 1]) for i in range(5, 8)]
+    parts.append(run_rows(r, feats[8:], toks[8:]))
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert r.n == 12
+
+
+def test_rollback_then_recompute_equals_fresh():
+    m = make_model()
+    rng = np.random.default_rng(1)
+    feats = rng.standard_normal((10, D)).astype(np.float32)
+    toks = rng.integers(0, V, 10)
+    other = rng.standard_normal((3, D)).astype(np.float32)
+    r = DraftRunner(m, device="cpu", dtype="float32")
+    run_rows(r, feats, toks)
+    r.rollback(7)
+    cached = run_rows(r, other, toks[:3])
+    fresh_r = DraftRunner(make_model(), device="cpu", dtype="float32")
+    run_rows(fresh_r, feats[:7], toks[:7])
+    torch.testing.assert_close(cached, run_rows(fresh_r, other, toks[:3]))
+    with pytest.raises(Exception):
+        r.rollback(r.n + 1)
+
+
+def test_propose_returns_k_target_ids_and_keeps_speculative_cells():
+    cfg = replace(CFG, reduced_vocab=50)
+    m = make_model(cfg)
+    m.d2t = torch.arange(250, 300)  # head row i is target id 250 + i
+    m.attach_target_weights(m.embed, torch.randn(V, D))
+    r = DraftRunner(m, device="cpu", dtype="float32")
+    rng = np.random.default_rng(2)
+    out = r.propose(rng.standard_normal((4, D)).astype(np.float32), [1, 2, 3, 4], k=3)
+    assert len(out) == 3 and all(250 <= t < 300 for t in out)
+    assert r.n == 4 + 2  # four real cells, two cells from drafted tokens
+
+
+def test_denoising_mask_drops_unimportant_old_keys_only():
+    m = make_model()
+    r = DraftRunner(m, device="cpu", dtype="float32", denoise=DenoiseConfig(threshold=0.5, recent_window=3))
+    log_gate = torch.log(torch.tensor([0.9, 0.1, 0.2, 0.8, 0.1, 0.05, 0.3]))
+    bias = r._bias(log_gate, T=1, L=7, gated=True).view(-1)
+    assert torch.isinf(bias[1]) and torch.isinf(bias[2])  # old and below threshold: dropped
+    assert torch.isfinite(bias[0]) and torch.isfinite(bias[3])  # old but important: kept with log s
+    assert torch.isfinite(bias[4:]).all()  # recent window kept whatever its gate (current token included)
+    torch.testing.assert_close(bias[4:], log_gate[4:])
+    off = DraftRunner(make_model(), device="cpu", dtype="float32")
+    assert torch.isfinite(off._bias(log_gate, T=1, L=7, gated=True)).all()
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch build without fbgemm")
+def test_int8_linear_is_close_to_float():
+    lin = torch.nn.Linear(256, 512)
+    q = Int8Linear(lin.weight, lin.bias)
+    x = torch.randn(3, 256)
+    ref = lin(x)
+    err = (q(x) - ref).norm() / ref.norm()
+    assert err < 0.03
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch build without fbgemm")
+def test_int8_runner_proposes_like_float_runner_mostly():
+    m = make_model()
+    rng = np.random.default_rng(3)
+    feats = rng.standard_normal((20, D)).astype(np.float32)
+    toks = rng.integers(0, V, 20)
+    a = DraftRunner(make_model(), device="cpu", dtype="float32")
+    b = DraftRunner(m, device="cpu", dtype="int8")
+    fa, fb = run_rows(a, feats, toks), run_rows(b, feats, toks)
+    assert ((fa - fb).norm() / fa.norm()) < 0.1
