@@ -1,0 +1,1 @@
+"""Target side: llama.cpp only, never torch."""

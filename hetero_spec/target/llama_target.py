@@ -62,14 +62,16 @@ class LlamaTarget:
         self._ctx: ContextHandle | None = None
         self._batch: BatchHandle | None = None
         try:
-            if not C.llama_model_has_decoder(self._model.ptr) or C.llama_model_has_encoder(self._model.ptr):
-                raise TargetError(f"{self.path.name} is not a decoder-only language model")
+            self.architecture = self._model.meta("general.architecture") or "unknown"
+            if not self._is_decoder_lm():
+                raise TargetError(
+                    f"{self.path.name} ({self.architecture}) is not a decoder-only language model"
+                )
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self.n_embd = C.llama_model_n_embd(self._model.ptr)
             if self.n_vocab <= 0 or self.n_embd <= 0:
                 raise TargetError(f"{self.path.name} has no vocabulary or embedding (not a language model)")
             self.n_ctx_train = C.llama_model_n_ctx_train(self._model.ptr)
-            self.architecture = self._model.meta("general.architecture") or "unknown"
             n_threads = options.n_threads or default_threads()
             self._ctx = ContextHandle(
                 self._model,
@@ -89,6 +91,16 @@ class LlamaTarget:
         self.tokens: list[int] = []  # the token ids whose cells are in the KV cache, in order
         self._pieces: dict[int, bytes] = {}
         self._fingerprint: TargetFingerprint | None = None
+
+    def _is_decoder_lm(self) -> bool:
+        """Encoder-decoders (T5) and embedding models (BERT-like: non-causal or pooled) cannot verify drafts."""
+        m = self._model
+        if not C.llama_model_has_decoder(m.ptr) or C.llama_model_has_encoder(m.ptr):
+            return False
+        arch = self.architecture
+        if m.meta(f"{arch}.attention.causal") == "false" or m.meta(f"{arch}.pooling_type") not in (None, "0"):
+            return False
+        return True
 
     # ----------------------------------------------------------------- lifecycle
     def close(self) -> None:

@@ -115,3 +115,13 @@ def test_ctrl_c_stops_cleanly_with_partial_stats(model_path, random_draft_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "Traceback" not in err and "interrupted" in err and "tok/s" in err
+
+
+def test_embedding_model_is_not_a_target(tmp_path, model_path, random_draft_path):
+    from tests.tiny_gguf import write_tiny_llama
+
+    decoder = write_tiny_llama(model_path, tmp_path / "tiny.gguf")
+    ok = hetero("run", decoder, "--no-draft", "-p", "hello", "-n", "4")
+    assert ok.returncode == 0, ok.stderr  # the builder makes loadable models
+    pooled = write_tiny_llama(model_path, tmp_path / "embedder.gguf", extra={"llama.pooling_type": 1})
+    assert_one_line_error(hetero("run", pooled, "--no-draft", "-p", "hello"), "not a decoder-only language model")

@@ -1,0 +1,1 @@
+"""Benchmarks: baselines and hetero-spec side by side."""

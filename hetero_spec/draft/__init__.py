@@ -1,0 +1,1 @@
+"""Draft side: torch only, never llama_cpp."""

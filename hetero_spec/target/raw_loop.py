@@ -1,0 +1,39 @@
+"""The reference point for speed: the simplest greedy loop on llama.cpp's low-level API.
+
+No hidden states, no bookkeeping: ``llama_batch_get_one`` and ``llama_get_logits_ith``.
+Benchmarks hold hetero-spec's plain path and its speculative path against this loop.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _ffi
+from ._ffi import C, ContextHandle, ModelHandle
+
+
+class RawGreedy:
+    def __init__(self, model: ModelHandle, *, n_ctx: int, n_threads: int, n_batch: int = 32) -> None:
+        self.ctx = ContextHandle(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, embeddings=False)
+        self.n_vocab = C.llama_vocab_n_tokens(model.vocab)
+        self.vocab = model.vocab
+        self.n_batch = n_batch
+
+    def close(self) -> None:
+        self.ctx.close()
+
+    def _decode(self, tokens: list[int]) -> None:
+        arr = (C.llama_token * len(tokens))(*tokens)
+        _ffi.check_decode(C.llama_decode(self.ctx.ptr, C.llama_batch_get_one(arr, len(tokens))))
+
+    def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        C.llama_memory_clear(self.ctx.memory, True)
+        for i in range(0, len(prompt), self.n_batch):
+            self._decode(prompt[i : i + self.n_batch])
+        out: list[int] = []
+        while True:
+            logits = np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx.ptr, -1), shape=(self.n_vocab,))
+            tok = int(logits.argmax())
+            out.append(tok)
+            if len(out) >= max_new_tokens or C.llama_vocab_is_eog(self.vocab, tok):
+                return out
+            self._decode([tok])
