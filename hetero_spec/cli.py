@@ -100,6 +100,23 @@ def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
     click.echo(f"wrote {path}")
 
 
+# Commands that live with their own package, as "module:attribute" of a click command.
+# Imported when the CLI starts, so those modules keep their heavy imports inside the command.
+EXTRA_COMMANDS: list[str] = [
+]
+
+
+def _register_extra_commands() -> None:
+    import importlib
+
+    for entry in EXTRA_COMMANDS:
+        module, attr = entry.split(":")
+        cli.add_command(getattr(importlib.import_module(module), attr))
+
+
+_register_extra_commands()
+
+
 def main() -> None:
     """Console entry point: user mistakes become one line on stderr and a non-zero exit."""
     try:
