@@ -103,6 +103,8 @@ def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
 # Commands that live with their own package, as "module:attribute" of a click command.
 # Imported when the CLI starts, so those modules keep their heavy imports inside the command.
 EXTRA_COMMANDS: list[str] = [
+    "hetero_spec.train_cli:train",
+    "hetero_spec.train_cli:analyze_attention",
 ]
 
 

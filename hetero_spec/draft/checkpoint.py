@@ -21,10 +21,18 @@ FORMAT_KEY = "hetero_spec.format"
 FORMAT = "1"
 
 
-def save_draft(model: DraftModel, path: str | Path, extra: dict[str, str] | None = None) -> None:
-    """Write atomically, so an interrupted save never leaves a half-written draft behind."""
+def save_draft(
+    model: DraftModel, path: str | Path, extra: dict[str, str] | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Write atomically, so an interrupted save never leaves a half-written draft behind.
+
+    ``dtype`` (e.g. bfloat16) stores floating weights smaller; loading casts them back.
+    """
     path = Path(path)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+    }
     meta = {CONFIG_KEY: model.cfg.to_json(), FORMAT_KEY: FORMAT, **(extra or {})}
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     save_file(state, str(tmp), metadata=meta)
@@ -80,7 +88,3 @@ def check_compatible(cfg: DraftConfig, target: TargetFingerprint, name: str) -> 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def to_tensor(array) -> torch.Tensor:
-    return torch.from_numpy(array) if not isinstance(array, torch.Tensor) else array

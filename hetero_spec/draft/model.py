@@ -123,7 +123,11 @@ class DraftBlock(nn.Module):
             a = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias.to(q.dtype), enable_gqa=self.n_kv != self.n_heads
             ).transpose(1, 2)
-        x = x + self.o(a.reshape(B, T, -1))
+        return self.after_attention(x, a.reshape(B, T, -1))
+
+    def after_attention(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Output projection of the attention a [B, T, nh*hd], residual, then the SwiGLU FFN."""
+        x = x + self.o(a)
         g, u = self.gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(g) * u)
 

@@ -1,0 +1,1 @@
+"""Draft distillation from exported target features (uses draft.model and features only)."""

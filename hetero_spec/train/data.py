@@ -1,0 +1,93 @@
+"""Training batches from an exported feature dataset (hetero_spec/features.py).
+
+Sequences are bucketed by length into batches of about ``batch_tokens`` rows, so padding
+stays small without a custom sampler; the held-out split is a deterministic function of
+the seed, so resuming or evaluating later sees the same split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..features import FeatureSequence, iter_sequences, read_manifest
+
+
+@dataclass
+class Split:
+    train: list[FeatureSequence]
+    held_out: list[FeatureSequence]
+
+
+def load_split(folder: str | Path, *, max_len: int, held_out: float, seed: int) -> Split:
+    """Read every sequence, cut to ``max_len`` rows, drop those with fewer than 3 rows or no loss tokens."""
+    read_manifest(folder)  # validates the folder before the (long) read
+    seqs = []
+    for s in iter_sequences(folder):
+        s = FeatureSequence(s.input_ids[:max_len], s.hidden[:max_len], s.loss_mask[:max_len])
+        if len(s) >= 3 and s.loss_mask[2:].any():
+            seqs.append(s)
+    order = np.random.default_rng(seed).permutation(len(seqs))
+    n_eval = max(1, int(round(len(seqs) * held_out))) if len(seqs) > 1 and held_out > 0 else 0
+    return Split([seqs[i] for i in order[n_eval:]], [seqs[i] for i in order[:n_eval]])
+
+
+def choose_vocab(seqs: list[FeatureSequence], size: int, n_vocab: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent assistant tokens (ties by id) and the share of assistant tokens they cover."""
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for s in seqs:
+        np.add.at(counts, s.input_ids[s.loss_mask.astype(bool)], 1)
+    size = min(size, n_vocab)
+    ids = np.lexsort((np.arange(n_vocab), -counts))[:size]
+    coverage = counts[ids].sum() / max(1, counts.sum())
+    return torch.from_numpy(np.sort(ids)).long(), float(coverage)
+
+
+@dataclass
+class Batch:
+    features: torch.Tensor  # [B, T, n_embd] float32, f_t
+    ids: torch.Tensor  # [B, T] int64, x_t
+    loss_mask: torch.Tensor  # [B, T] bool, x_t is a token to learn
+    valid: torch.Tensor  # [B, T] bool, False on padding
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(*(t.to(device, non_blocking=True) for t in (self.features, self.ids, self.loss_mask, self.valid)))
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        """x_{t+1} at row t (the draft's token input), the last row padded."""
+        return torch.cat((self.ids[:, 1:], self.ids[:, -1:]), dim=1)
+
+
+def make_batches(seqs: list[FeatureSequence], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Indices of sequences per batch: sorted by length, cut at the token budget, then shuffled."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:  # ascending, so the newcomer is the longest of its batch
+        if cur and len(seqs[i]) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    rng = np.random.default_rng([seed, epoch])
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def collate(seqs: list[FeatureSequence]) -> Batch:
+    T = max(len(s) for s in seqs)
+    d = seqs[0].hidden.shape[1]
+    feats = np.zeros((len(seqs), T, d), dtype=np.float32)
+    ids = np.zeros((len(seqs), T), dtype=np.int64)
+    mask = np.zeros((len(seqs), T), dtype=bool)
+    valid = np.zeros((len(seqs), T), dtype=bool)
+    for b, s in enumerate(seqs):
+        n = len(s)
+        feats[b, :n] = s.hidden
+        ids[b, :n] = s.input_ids
+        mask[b, :n] = s.loss_mask.astype(bool)
+        valid[b, :n] = True
+    return Batch(torch.from_numpy(feats), torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(valid))

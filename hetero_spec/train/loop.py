@@ -1,0 +1,342 @@
+"""The distillation trainer: AdamW, warmup + cosine decay, clipping, accumulation, checkpoints,
+resume, a wall-clock budget, held-out evaluation, and DistributedDataParallel under torchrun.
+
+Launch on several GPUs with ``torchrun --nproc_per_node N -m hetero_spec train ...``: the
+process group comes from torchrun's environment, each rank takes every N-th batch, rank 0
+writes checkpoints and the draft.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..config import DRAFT_PRESETS, DraftConfig, TargetFingerprint
+from ..draft.checkpoint import save_draft
+from ..draft.model import DraftModel, init_weights
+from ..errors import HeteroSpecError
+from ..features import read_manifest
+from .data import Batch, choose_vocab, collate, load_split, make_batches
+from .losses import LossWeights, gate_regularization, step_loss
+from .unroll import unrolled_forward
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    variant: str = "darter"  # darter | dovetail | eagle (presets in config.DRAFT_PRESETS)
+    n_blocks: int | None = None  # default from the preset
+    reduced_vocab: int = 8192
+    epochs: int = 4
+    max_steps: int = 0  # 0 = epochs decide
+    time_budget_s: float = 0.0  # stop (and save) after this much training time; 0 = none
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 100
+    batch_tokens: int = 4096
+    grad_accum: int = 1
+    clip: float = 0.5
+    unroll_steps: int = 3  # EAGLE-3 style: the draft consumes its own outputs for this many steps
+    noise: float = 0.05  # input feature noise, as a fraction of the features' RMS (EAGLE)
+    max_len: int = 1024
+    held_out: float = 0.03
+    eval_chain: int = 4  # teacher-forced accepted-length estimate for chain k = this
+    checkpoint_every: int = 200
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0  # CPU threads for torch (0 = all cores)
+    loss: LossWeights = field(default_factory=LossWeights)
+
+
+@dataclass
+class EvalResult:
+    top1: float  # step-0 top-1 accuracy on held-out assistant tokens
+    accepted_length: float  # teacher-forced mean accepted length at chain k (bonus token included)
+    loss: float
+
+
+def train(
+    cfg: TrainConfig,
+    features_dir: str | Path,
+    out: str | Path,
+    *,
+    embedding: torch.Tensor,
+    head: torch.Tensor,
+    fingerprint: TargetFingerprint,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Distil a draft from ``features_dir`` into ``out`` (safetensors); returns a summary dict.
+
+    embedding / head: [n_vocab, n_embd] float32 from the target GGUF (frozen, never saved).
+    """
+    out = Path(out)
+    work = out.with_suffix(".train")
+    work.mkdir(parents=True, exist_ok=True)
+    rank, world = _init_distributed()
+    device = _device(cfg.device, rank)
+    if device.type == "cpu" and cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    _seed_everything(cfg.seed + rank)
+    manifest = read_manifest(features_dir)
+    diffs = fingerprint.mismatches(manifest.fingerprint)
+    if diffs:
+        raise HeteroSpecError(f"features in {features_dir} come from another target: " + "; ".join(diffs))
+    split = load_split(features_dir, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed)
+    if not split.train:
+        raise HeteroSpecError(f"{features_dir} holds no usable training sequences")
+    d2t, coverage = choose_vocab(split.train, cfg.reduced_vocab or fingerprint.n_vocab, fingerprint.n_vocab)
+    dcfg = _draft_config(cfg, fingerprint, d2t)
+    model = init_weights(DraftModel(dcfg), cfg.seed)
+    model.d2t = d2t
+    model.attach_target_weights(embedding, head)
+    model.to(device)
+    d2t_index = torch.full((fingerprint.n_vocab,), -1, dtype=torch.long, device=device)
+    d2t_index[model.d2t] = torch.arange(len(model.d2t), device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = max(1, len(make_batches(split.train, cfg.batch_tokens, cfg.seed, 0)) // (cfg.grad_accum * world))
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(cfg.warmup_steps, total))
+    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "history": []}
+    ckpt = work / "checkpoint.pt"
+    if resume and ckpt.exists():
+        state = _load_checkpoint(ckpt, model, opt, sched)
+    runner = _Unrolled(model, cfg.unroll_steps)
+    if world > 1:
+        runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
+    feat_rms = _feature_rms(split.train)
+    bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
+    done = state["step"] >= total
+    while not done:
+        batches = make_batches(split.train, cfg.batch_tokens, cfg.seed, state["epoch"])[rank::world]
+        for bi in range(state["batch_in_epoch"], len(batches) - len(batches) % cfg.grad_accum, cfg.grad_accum):
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            agg = {"loss": 0.0, "correct": 0, "count": 0}
+            for a in range(cfg.grad_accum):
+                batch = collate([split.train[i] for i in batches[bi + a]]).to(device)
+                loss, correct, count, parts = _batch_loss(runner, model, batch, d2t_index, cfg, feat_rms)
+                (loss / cfg.grad_accum).backward()
+                agg["loss"] += loss.item() / cfg.grad_accum
+                agg["correct"] += correct
+                agg["count"] += count
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+            sched.step()
+            state["step"] += 1
+            state["batch_in_epoch"] = bi + cfg.grad_accum
+            state["train_s"] += time.perf_counter() - t0
+            acc = agg["correct"] / max(1, agg["count"])
+            state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
+            bar.update(1)
+            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
+            out_of_time = cfg.time_budget_s and state["train_s"] >= cfg.time_budget_s
+            if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time):
+                _save_checkpoint(ckpt, model, opt, sched, state)
+            if state["step"] >= total or out_of_time:
+                done = True
+                break
+        else:
+            state["epoch"] += 1
+            state["batch_in_epoch"] = 0
+            if rank == 0 and split.held_out:
+                ev = evaluate(model, split.held_out, d2t_index, cfg, device)
+                state["history"].append({"step": state["step"], "eval": asdict(ev)})
+                bar.write(f"epoch {state['epoch']}: held-out top-1 {ev.top1:.3f}, "
+                          f"accepted length (k={cfg.eval_chain}) {ev.accepted_length:.2f}")
+    bar.close()
+    summary = {}
+    if rank == 0:
+        _save_checkpoint(ckpt, model, opt, sched, state)
+        ev = evaluate(model, split.held_out, d2t_index, cfg, device) if split.held_out else None
+        summary = {
+            "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
+            "train_seconds": round(state["train_s"], 1), "train_sequences": len(split.train),
+            "train_tokens": int(sum(len(s) for s in split.train)),
+            "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
+            "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
+        }
+        save_draft(model, out, extra={"hetero_spec.training": json.dumps(summary)}, dtype=torch.bfloat16)
+        (work / "history.json").write_text(json.dumps(state["history"]))
+        _plot_history(state["history"], work / "training.png")
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return summary
+
+
+def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainConfig, feat_rms: float):
+    """runner: the (possibly DDP-wrapped) unrolled forward; feat_rms > 0 adds input noise."""
+    feats = batch.features
+    if feat_rms > 0 and cfg.noise > 0:
+        feats = feats + torch.randn_like(feats) * (cfg.noise * feat_rms)
+    steps = runner(feats, batch.next_tokens, batch.valid)
+    total = torch.zeros((), device=feats.device)
+    correct = count = 0
+    parts: dict[str, float] = {}
+    T = batch.ids.shape[1]
+    for j, st in enumerate(steps):
+        # step j at chain s predicts f_{s+j+1} and (through the head) x_{s+j+2}
+        tgt_feat = _shift(batch.features, j + 1)
+        tgt_next = _shift(batch.ids, j + 2)
+        mask = _shift(batch.loss_mask & batch.valid, j + 2) & (torch.arange(T, device=feats.device) < T - j - 2)
+        sl = step_loss(st.features, tgt_feat, tgt_next, mask, model.head, d2t_index, cfg.loss)
+        weight = cfg.loss.step_decay**j
+        total = total + weight * sl.total
+        if j == 0:
+            correct, count, parts = sl.correct, sl.count, sl.parts
+        if cfg.loss.recipe == "darter" and cfg.loss.gate > 0 and st.log_gates:
+            total = total + weight * cfg.loss.gate * gate_regularization(st.log_gates, batch.valid, cfg.loss.keep_ratio)
+    return total, correct, count, parts
+
+
+@torch.no_grad()
+def evaluate(model: DraftModel, seqs, d2t_index, cfg: TrainConfig, device) -> EvalResult:
+    """Held-out step-0 top-1 and a teacher-forced estimate of the mean accepted length for chain k:
+    for every chain start s, the number of leading unrolled steps whose argmax is the target's token."""
+    model.eval()
+    k = cfg.eval_chain
+    correct = count = 0
+    accepted: list[torch.Tensor] = []
+    losses = []
+    for idx in make_batches(seqs, cfg.batch_tokens, cfg.seed, 0):
+        batch = collate([seqs[i] for i in idx]).to(device)
+        T = batch.ids.shape[1]
+        steps = unrolled_forward(model, batch.features, batch.next_tokens, batch.valid, k)
+        loss, c, n, _ = _batch_loss(_Unrolled(model, 1), model, batch, d2t_index, cfg, 0.0)
+        losses.append(loss.item())
+        correct, count = correct + c, count + n
+        run = torch.ones(batch.ids.shape, dtype=torch.bool, device=device)
+        length = torch.zeros(batch.ids.shape, device=device)
+        start = _shift(batch.loss_mask & batch.valid, 2) & (torch.arange(T, device=device) < T - 2)
+        for j, st in enumerate(steps):
+            rows = st.features @ model.head.t()
+            pred = model.d2t[rows.argmax(-1)]
+            ok = (pred == _shift(batch.ids, j + 2)) & _shift(batch.valid, j + 2) & (torch.arange(T, device=device) < T - j - 2)
+            run = run & ok
+            length = length + run.float()
+        accepted.append(length[start])
+    model.train()
+    acc_len = 1.0 + torch.cat(accepted).mean().item() if accepted else 1.0
+    return EvalResult(top1=correct / max(1, count), accepted_length=acc_len, loss=float(np.mean(losses)))
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Row t of the result is row t+n of x (zeros / False past the end)."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) -> DraftConfig:
+    if cfg.variant not in DRAFT_PRESETS:
+        raise HeteroSpecError(f"unknown variant {cfg.variant!r} (use {', '.join(DRAFT_PRESETS)})")
+    n = fp.n_embd
+    heads = next(h for h in (9, 8, 12, 16, 6, 4, 3, 2, 1) if n % h == 0 and (n // h) % 2 == 0)
+    preset = dict(DRAFT_PRESETS[cfg.variant])
+    if cfg.n_blocks:
+        preset["n_blocks"] = cfg.n_blocks
+    return DraftConfig(n_embd=n, n_vocab=fp.n_vocab, hidden_size=n, n_heads=heads,
+                       n_kv_heads=next(kv for kv in (3, 4, 2, 1) if heads % kv == 0),
+                       ffn_size=((int(n * 8 / 3) + 63) // 64) * 64,
+                       reduced_vocab=len(d2t) if len(d2t) < fp.n_vocab else 0, fingerprint=fp, **preset)
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _feature_rms(seqs) -> float:
+    sample = np.concatenate([s.hidden[:64].astype(np.float32) for s in seqs[:256]])
+    return float(np.sqrt((sample**2).mean()))
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _device(spec: str, rank: int) -> torch.device:
+    if spec == "auto":
+        return torch.device(f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def _init_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend)
+    return torch.distributed.get_rank(), world
+
+
+class _Unrolled(torch.nn.Module):
+    """Gives DDP a forward to hook: the unrolled multi-step pass."""
+
+    def __init__(self, model: DraftModel, steps: int) -> None:
+        super().__init__()
+        self.model, self.steps = model, steps
+
+    def forward(self, feats, next_tokens, valid):
+        return unrolled_forward(self.model, feats, next_tokens, valid, self.steps)
+
+
+def _save_checkpoint(path: Path, model, opt, sched, state) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}, tmp)
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(path: Path, model, opt, sched) -> dict:
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(ck["model"], strict=False)
+    opt.load_state_dict(ck["opt"])
+    sched.load_state_dict(ck["sched"])
+    torch.set_rng_state(ck["rng"]["torch"])
+    np.random.set_state(ck["rng"]["numpy"])
+    random.setstate(ck["rng"]["python"])
+    return ck["state"]
+
+
+def _jsonable(d):
+    return json.loads(json.dumps(d, default=str))
+
+
+def _plot_history(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h for h in history if "loss" in h]
+    evals = [h for h in history if "eval" in h]
+    if not steps:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax[0].plot([h["step"] for h in steps], [h["loss"] for h in steps], lw=0.6)
+    ax[0].set(xlabel="step", ylabel="training loss", yscale="log")
+    ax[1].plot([h["step"] for h in steps], [h["acc"] for h in steps], lw=0.6, label="train top-1")
+    if evals:
+        ax[1].plot([h["step"] for h in evals], [h["eval"]["top1"] for h in evals], "o-", label="held-out top-1")
+    ax[1].set(xlabel="step", ylabel="accuracy")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""`hetero-spec train` and `hetero-spec analyze-attention`: wiring between the GGUF and train/.
+
+train/ never touches llama.cpp; this module reads the target's fingerprint, embedding and
+head from the GGUF and hands them over as tensors.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from .errors import HeteroSpecError
+
+
+def _target_parts(model: Path):
+    import numpy as np
+    import torch
+
+    from .target.gguf_weights import load_target_weights
+    from .target.llama_target import LlamaTarget, TargetOptions
+
+    with LlamaTarget(model, TargetOptions(n_ctx=64, embeddings=False)) as t:
+        fp = t.fingerprint
+    w = load_target_weights(model)
+    emb = torch.from_numpy(np.array(w.embedding, dtype=np.float32))
+    head = emb if w.tied else torch.from_numpy(np.array(w.head, dtype=np.float32))
+    return fp, emb, head
+
+
+@click.command()
+@click.argument("features", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--target", "model", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the GGUF whose features these are (its head and embedding are borrowed)")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="draft .safetensors")
+@click.option("--variant", type=click.Choice(["darter", "dovetail", "eagle"]), default="darter", show_default=True)
+@click.option("--blocks", type=click.IntRange(1), help="decoder blocks (default from the variant)")
+@click.option("--reduced-vocab", default=8192, show_default=True, type=click.IntRange(0), help="0 = full head")
+@click.option("--epochs", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--max-steps", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--time-budget", default=0.0, show_default=True, help="minutes of training, then save and stop")
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--batch-tokens", default=4096, show_default=True)
+@click.option("--grad-accum", default=1, show_default=True)
+@click.option("--unroll", default=3, show_default=True, help="multi-step unrolled training steps (1 = off)")
+@click.option("--noise", default=0.05, show_default=True, help="input feature noise (fraction of RMS)")
+@click.option("--max-len", default=1024, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--threads", default=0, show_default=True, help="CPU threads (0 = all)")
+@click.option("--resume", is_flag=True, help="continue from OUT's checkpoint folder")
+@click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
+def train(features, model, out, variant, blocks, reduced_vocab, epochs, max_steps, time_budget, lr, batch_tokens,
+          grad_accum, unroll, noise, max_len, seed, device, threads, resume, loss_weights) -> None:
+    """Distil a draft for MODEL from exported FEATURES (see export-features)."""
+    from .train.loop import TrainConfig
+    from .train.loop import train as run_training
+    from .train.losses import LossWeights
+
+    try:
+        overrides = json.loads(loss_weights) if loss_weights else {}
+        weights = replace(LossWeights(recipe="eagle" if variant in ("eagle", "dovetail") else "darter"), **overrides)
+    except (ValueError, TypeError) as exc:
+        raise HeteroSpecError(f"bad --loss-weights: {exc}") from None
+    cfg = TrainConfig(variant=variant, n_blocks=blocks, reduced_vocab=reduced_vocab, epochs=epochs,
+                      max_steps=max_steps, time_budget_s=time_budget * 60, lr=lr, batch_tokens=batch_tokens,
+                      grad_accum=grad_accum, unroll_steps=unroll, noise=noise, max_len=max_len, seed=seed,
+                      device=device, threads=threads, loss=weights)
+    fp, emb, head = _target_parts(model)
+    summary = run_training(cfg, features, out, embedding=emb, head=head, fingerprint=fp, resume=resume)
+    click.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+
+
+@click.command("analyze-attention")
+@click.argument("draft", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("features", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--target", "model", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--sequences", default=32, show_default=True)
+@click.option("--png", type=click.Path(dir_okay=False, path_type=Path), help="histogram (default: next to DRAFT)")
+def analyze_attention(draft, features, model, sequences, png) -> None:
+    """Where the draft's attention goes: mass on the top-3 historical tokens, share of negligible keys."""
+    from .draft.checkpoint import load_draft
+    from .train.analysis import attention_report
+
+    fp, emb, head = _target_parts(model)
+    m = load_draft(draft, fp)
+    m.attach_target_weights(emb, head)
+    png = png or Path(draft).with_suffix(".attention.png")
+    report = attention_report(m, features, n_sequences=sequences, png=png)
+    click.echo(json.dumps(report, indent=2))
+    click.echo(f"histogram: {png}", err=True)
