@@ -1,0 +1,314 @@
+"""The machine's cost model: how long the target takes to verify n rows, and the draft one step.
+
+Speculation pays only when ``accepted tokens / (verify time + draft time)`` beats one
+token per single-row decode, and on a CPU target verification cost grows with the rows
+(t(4) is about 2.2x t(1) for a 135M model, much flatter for a 7B one).  Automatic draft
+sizing therefore needs the measured curve t(n) for this model on this machine; it is
+cached as JSON per machine, model file, draft file and thread count.
+
+Verification is timed exactly as the speculative loop verifies: embeddings on, every
+row an output, one ``llama_decode`` of n rows after a realistic prefix, rolled back
+after each timing.  This module imports neither llama.cpp nor torch itself: it drives a
+``LlamaTarget`` and a ``DraftRunner`` handed in by the caller (like ``api.py``).
+
+>>> curve = load_or_measure(hs.target, hs.draft, model_path, draft_path)
+>>> curve.verify_ratio(4)          # t(4) / t(1)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import numpy as np
+
+from .errors import HeteroSpecError
+
+if TYPE_CHECKING:  # concrete types only for readers; the boundary stays clean at run time
+    from .draft.runner import DraftRunner
+    from .target.llama_target import LlamaTarget
+
+CURVE_VERSION = 1
+MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
+PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
+_FILLER = (
+    "The quick brown fox jumps over the lazy dog while the committee reviews the quarterly budget, "
+    "and a student explains how photosynthesis turns light, water and carbon dioxide into sugar. "
+)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Median wall times on one machine for one target (and draft).
+
+    ``verify_ms[n]``: one decode of n rows with embeddings on (the verification of n-1 drafts);
+    ``draft_step_ms``: one draft step (one row forward + head argmax) on the draft's device;
+    ``draft_rows_ms[n]``: one draft forward over n rows (a tree depth), optional.
+    """
+
+    verify_ms: dict[int, float]
+    draft_step_ms: float
+    draft_rows_ms: dict[int, float] = field(default_factory=dict)
+    machine: str = ""  # host, CPU model, threads
+    model: str = ""  # GGUF file name and size (+ draft file name)
+
+    def __post_init__(self) -> None:
+        if 1 not in self.verify_ms:
+            raise HeteroSpecError("a cost curve needs t(1), the single-row decode time")
+        if any(v <= 0 for v in self.verify_ms.values()):
+            raise HeteroSpecError("cost curve times must be positive")
+
+    def verify_time_ms(self, n: int) -> float:
+        """t(n) in ms; linear interpolation between measured n, linear extrapolation beyond."""
+        if n < 1:
+            raise ValueError(f"rows must be at least 1, not {n}")
+        return _interp(self.verify_ms, n)
+
+    def verify_ratio(self, n: int) -> float:
+        """t(n) / t(1): how many single-row decodes one n-row verification costs."""
+        return self.verify_time_ms(n) / self.verify_ms[1]
+
+    def envelope_ms(self) -> dict[int, float]:
+        """Monotone-in-n upper envelope of t(n): max over m <= n (kernel steps smoothed, never optimistic)."""
+        out, top = {}, 0.0
+        for n in sorted(self.verify_ms):
+            top = max(top, self.verify_ms[n])
+            out[n] = top
+        return out
+
+    def draft_rows_time_ms(self, n: int) -> float:
+        """One draft forward over n rows; falls back to n steps when rows were not measured."""
+        if not self.draft_rows_ms:
+            return n * self.draft_step_ms
+        return _interp(self.draft_rows_ms, n)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["version"] = CURVE_VERSION
+        d["verify_ratio"] = {n: round(self.verify_ratio(n), 4) for n in sorted(self.verify_ms)}
+        return json.dumps(d, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostCurve":
+        try:
+            d = json.loads(text)
+            if d.get("version", CURVE_VERSION) != CURVE_VERSION:
+                raise HeteroSpecError(f"calibration file version {d.get('version')} is not {CURVE_VERSION}")
+            return cls(
+                verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
+                draft_step_ms=float(d["draft_step_ms"]),
+                draft_rows_ms={int(k): float(v) for k, v in d.get("draft_rows_ms", {}).items()},
+                machine=str(d.get("machine", "")),
+                model=str(d.get("model", "")),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise HeteroSpecError(f"not a calibration file ({exc})") from None
+
+
+def _interp(table: dict[int, float], n: int) -> float:
+    if n in table:
+        return table[n]
+    xs = sorted(table)
+    if len(xs) == 1:
+        return table[xs[0]] * n / xs[0]
+    if n > xs[-1]:  # extend the last segment's slope
+        a, b = xs[-2], xs[-1]
+        return table[b] + (table[b] - table[a]) / (b - a) * (n - b)
+    if n < xs[0]:
+        return table[xs[0]]
+    hi = next(x for x in xs if x > n)
+    lo = max(x for x in xs if x < n)
+    w = (n - lo) / (hi - lo)
+    return table[lo] * (1 - w) + table[hi] * w
+
+
+# ------------------------------------------------------------------- measuring
+def machine_id(threads: int) -> str:
+    """Host name, CPU model and thread count: what makes a curve belong to this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {threads} threads"
+
+
+def _describe(target_path: str | Path, draft_path: str | Path | None) -> str:
+    p = Path(target_path)
+    s = f"{p.name} ({p.stat().st_size} bytes)" if p.exists() else p.name
+    return s + (f" + {Path(draft_path).name}" if draft_path is not None else "")
+
+
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def measure(
+    target: "LlamaTarget",
+    runner: "DraftRunner | None",
+    *,
+    ns: Iterable[int] = range(1, MAX_ROWS + 1),
+    repeats: int | None = None,
+    quick: bool = False,
+    progress: Callable[[int], None] | None = None,
+    model: str = "",
+) -> CostCurve:
+    """Time t(n) for each n (median over ``repeats``), the draft step and draft row forwards.
+
+    The order of n is shuffled on every pass, so machine drift spreads over all n instead
+    of biasing the large ones.  Both caches are left empty afterwards.  ``progress`` is
+    called with the number of timings done since the last call.
+    """
+    ns = sorted(set(int(n) for n in ns))
+    if not ns or ns[0] < 1 or ns[-1] > MAX_ROWS:
+        raise HeteroSpecError(f"calibration rows must lie in 1..{MAX_ROWS}")
+    if 1 not in ns:
+        ns = [1] + ns
+    repeats = repeats or (3 if quick else 9)
+    tokens = _prefix_tokens(target, ns[-1])
+    was_on = target.embeddings
+    target.reset()
+    target.set_embeddings(True)  # all rows out, logits and hidden states: as the speculative loop verifies
+    try:
+        hidden, _ = target.prefill(tokens)
+        n0 = target.n_past
+        cand = tokens[1 : ns[-1] + 1]  # any ids do: the cost does not depend on which tokens
+
+        def verify(n: int) -> None:
+            target.verify(cand[:n])
+            target.rollback(n0)
+
+        for n in (1, ns[-1], 1):  # warm the caches and thread pool
+            verify(n)
+        samples: dict[int, list[float]] = {n: [] for n in ns}
+        rng = random.Random(0)
+        for _ in range(repeats):
+            order = ns[:]
+            rng.shuffle(order)
+            for n in order:
+                t0 = time.perf_counter()
+                verify(n)
+                samples[n].append(time.perf_counter() - t0)
+                if progress:
+                    progress(1)
+        verify_ms = {n: 1e3 * statistics.median(samples[n]) for n in ns}
+    finally:
+        target.reset()
+        target.set_embeddings(was_on)
+    step_ms, rows_ms = 0.0, {}
+    if runner is not None:
+        step_ms, rows_ms = _measure_draft(runner, hidden, tokens, ns, repeats, progress)
+    return CostCurve(verify_ms, step_ms, rows_ms, machine=machine_id(target.n_threads), model=model)
+
+
+def _prefix_tokens(target: "LlamaTarget", rows: int) -> list[int]:
+    want = max(8, min(PREFIX_TOKENS, target.n_ctx - rows - 2))
+    ids: list[int] = []
+    while len(ids) < want + rows + 1:
+        ids += target.tokenize(_FILLER, add_special=False, parse_special=False)
+    return ids[:want]
+
+
+def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int], repeats: int,
+                   progress) -> tuple[float, dict[int, float]]:
+    """hidden [len(tokens), n_embd] float32: the target's real features for the prefix."""
+    runner.reset()
+    try:
+        m = len(tokens) - 1
+        runner.prefill(hidden[:m], tokens[1 : m + 1])  # cell i from (f_i, x_{i+1})
+        n0 = runner.n
+        feat, tok = hidden[m - 1 : m], [tokens[m - 1]]
+
+        def step() -> None:
+            runner.propose(feat, tok, 1)  # one forward of one row plus the head's argmax
+            runner.rollback(n0)
+
+        for _ in range(3):
+            step()
+        step_ms = _median_ms(step, max(repeats, 5))
+        rows_ms = {}
+        reps = np.resize(np.arange(m), ns[-1])  # row indices, tiled if the prefix is short
+
+        for n in ns:
+            f, t = hidden[reps[:n]], [tokens[i + 1] for i in reps[:n]]
+
+            def rows(f=f, t=t) -> None:
+                runner.prefill(f, t)
+                runner.rollback(n0)
+
+            rows_ms[n] = _median_ms(rows, repeats)
+            if progress:
+                progress(repeats)
+    finally:
+        runner.reset()
+    return step_ms, rows_ms
+
+
+# ---------------------------------------------------------------------- caching
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "hetero-spec" / "calibration"
+
+
+def cache_path(target_path: str | Path, draft_path: str | Path | None, threads: int) -> Path:
+    """One JSON per machine, target file (name, size, mtime), draft file and thread count."""
+
+    def ident(p: str | Path | None) -> str:
+        if p is None:
+            return "none"
+        p = Path(p).resolve()
+        st = p.stat() if p.exists() else None
+        return f"{p}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}"
+
+    key = "|".join([machine_id(threads), ident(target_path), ident(draft_path)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / f"{Path(target_path).stem}-t{threads}-{digest}.json"
+
+
+def load_or_measure(
+    target: "LlamaTarget",
+    runner: "DraftRunner | None",
+    target_path: str | Path,
+    draft_path: str | Path | None,
+    *,
+    quick: bool = True,
+) -> CostCurve:
+    """The cached curve for this machine and model, measuring (quickly by default) on first use."""
+    path = cache_path(target_path, draft_path, target.n_threads)
+    if path.is_file():
+        try:
+            curve = CostCurve.from_json(path.read_text())
+            if runner is None or curve.draft_step_ms > 0:
+                return curve
+        except HeteroSpecError:
+            pass  # unreadable or old: measure again
+    curve = measure(target, runner, quick=quick, model=_describe(target_path, draft_path))
+    save(curve, path)
+    return curve
+
+
+def save(curve: CostCurve, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(curve.to_json())
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return path
+
+
+__all__ = ["CostCurve", "measure", "cache_path", "load_or_measure", "save", "machine_id"]
