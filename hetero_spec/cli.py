@@ -103,8 +103,11 @@ def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
 # Commands that live with their own package, as "module:attribute" of a click command.
 # Imported when the CLI starts, so those modules keep their heavy imports inside the command.
 EXTRA_COMMANDS: list[str] = [
+    "converters.cli:quantize",
     "hetero_spec.train_cli:train",
     "hetero_spec.train_cli:analyze_attention",
+    "hetero_spec.bench.cli:bench",
+    "hetero_spec.bench.cli:calibrate",
 ]
 
 
