@@ -102,9 +102,12 @@ def export_features(cfg: ExportConfig) -> Manifest:
         try:
             for start in range(prog.next_index, len(items), cfg.chunk):
                 chunk = items[start : start + cfg.chunk]
-                for ids, mask in _encode_chunk(chunk, renderer, gen, cfg, prog.skipped):
-                    prog.sequences.append(_features(target, ids, mask, cfg))
-                    prog.tokens += len(ids)
+                skipped: Counter = Counter()
+                done = [_features(target, ids, mask, cfg) for ids, mask in _encode_chunk(chunk, renderer, gen, cfg, skipped)]
+                # only whole chunks enter the buffer, so an interrupted chunk is redone on resume
+                prog.sequences += done
+                prog.skipped += skipped
+                prog.tokens += sum(len(x) for x in done)
                 prog.next_index = start + len(chunk)
                 bar.update(len(chunk))
                 bar.set_postfix(tok_s=f"{prog.tokens / (time.perf_counter() - t0):.0f}", refresh=False)

@@ -1,0 +1,183 @@
+"""export-features on the real SmolLM2 GGUF with a handful of conversations."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from converters import export_features as ef
+from converters.datasets import load_source, sharegpt_path
+from converters.export_features import ExportConfig, ExportError, export_features
+from hetero_spec.chat_template import render_chat
+from hetero_spec.features import iter_sequences, read_manifest
+from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+from tests.conftest import bench_prompts
+
+CONVS = [
+    {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "It is 4."},
+                       {"from": "human", "value": "And 3+3?"}, {"from": "gpt", "value": "That makes 6."}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+                  {"role": "assistant", "content": "Blue."}]},
+    {"conversations": [{"from": "human", "value": "Say hi."}, {"from": "gpt", "value": "Hi there!"}]},
+]
+
+
+THREADS = 1  # on a 2-core machine shared with other jobs, one llama.cpp thread is several times faster
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src") / "chats.jsonl"
+    prompts = bench_prompts("alpaca", 4)
+    rows = CONVS + [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "ok"}]} for p in prompts]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n" + json.dumps({"conversations": []}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(model_path):
+    with LlamaTarget(model_path, TargetOptions(n_ctx=512, n_threads=THREADS)) as t:
+        yield t
+
+
+def cfg(model_path, out, source, **kw) -> ExportConfig:
+    return ExportConfig(model=model_path, out=out, source=str(source), max_len=512, dtype="float32",
+                        threads=THREADS, **kw)
+
+
+def test_hidden_states_equal_the_runtime_target(model_path, source, target, tmp_path):
+    m = export_features(cfg(model_path, tmp_path / "f", source, limit=3, topk=5))
+    seqs = list(iter_sequences(tmp_path / "f"))
+    assert m.n_sequences == 3 and len(seqs) == 3
+    for s in seqs:
+        target.reset()
+        hidden, last_logits = target.prefill(s.input_ids.tolist())  # the runtime's own prefill
+        np.testing.assert_array_equal(s.hidden, hidden)
+        top = s.extras["topk_ids"][-1]
+        assert top[0] == int(np.argmax(last_logits))
+        lp = last_logits - np.log(np.exp(last_logits - last_logits.max()).sum()) - last_logits.max()
+        np.testing.assert_allclose(s.extras["topk_logprobs"][-1], lp[top], rtol=1e-3, atol=1e-3)  # stored as float16
+
+
+def test_loss_mask_matches_the_template(model_path, source, target, tmp_path):
+    export_features(cfg(model_path, tmp_path / "f", source, limit=3))
+    eot = target.tokenize("<|im_end|>", add_special=False)
+    assert len(eot) == 1 and target.is_eog(eot[0])
+    messages = load_source(source).conversations
+    for s, conv in zip(iter_sequences(tmp_path / "f"), messages):
+        text = render_chat(target.chat_template, conv.messages, bos_token=target.bos_token,
+                           eos_token=target.eos_token, add_generation_prompt=False)
+        assert s.input_ids.tolist() == target.tokenize(text, add_special=False)  # the template's real output
+        # masked runs, read back: each assistant answer followed by its end-of-turn token
+        runs, cur = [], []
+        for t, m in zip(s.input_ids.tolist(), s.loss_mask):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+        assert [target.detokenize(r[:-1]) for r in runs] == answers
+        assert all(r[-1] == eot[0] for r in runs)
+
+
+def test_regenerate_equals_single_sequence_greedy(model_path, source, tmp_path):
+    m = export_features(cfg(model_path, tmp_path / "f", source, limit=5, offset=2, regenerate=True,
+                            max_new_tokens=24, n_seq=4))
+    seqs = list(iter_sequences(tmp_path / "f"))
+    assert len(seqs) == 5
+    with LlamaTarget(model_path, TargetOptions(n_ctx=512, n_threads=THREADS, embeddings=False)) as t:
+        for s in seqs:
+            n_prompt = int(np.argmax(s.loss_mask))
+            prompt = s.input_ids[:n_prompt].tolist()
+            assert t.detokenize(prompt[-3:]).endswith("assistant\n")
+            t.reset()
+            _, logits = t.prefill(prompt)
+            answer = []
+            while len(answer) < 24:
+                answer.append(int(np.argmax(logits)))
+                if t.is_eog(answer[-1]):
+                    break
+                logits = t.verify([answer[-1]])[0][-1]
+            assert s.input_ids[n_prompt:].tolist() == answer  # batched generation == one sequence alone
+            assert s.loss_mask[n_prompt:].all() and not s.loss_mask[:n_prompt].any()
+    assert m.options["regenerate"] is True
+
+
+def test_interrupted_export_resumes_to_the_same_dataset(model_path, source, tmp_path, monkeypatch):
+    base = cfg(model_path, tmp_path / "whole", source, chunk=2, shard_mb=1)
+    export_features(base)
+    calls = {"n": 0}
+    real = ef._features
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    part = replace(base, out=tmp_path / "part")
+    monkeypatch.setattr(ef, "_features", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        export_features(part)
+    monkeypatch.setattr(ef, "_features", real)
+    m_mid = read_manifest(part.out)
+    assert m_mid.n_sequences == 2 and not m_mid.options["progress"]["done"]  # the finished chunk was kept
+    list(iter_sequences(part.out))  # and is readable
+    export_features(part)
+    a, b = list(iter_sequences(base.out)), list(iter_sequences(part.out))
+    assert len(a) == len(b) == 7
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.input_ids, y.input_ids)
+        np.testing.assert_array_equal(x.hidden, y.hidden)
+        np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+    assert read_manifest(part.out).skipped == read_manifest(base.out).skipped
+    export_features(part)  # complete: a third run does nothing
+
+
+def test_refuses_other_settings_or_target(model_path, source, tmp_path):
+    out = tmp_path / "f"
+    export_features(cfg(model_path, out, source, limit=1))
+    with pytest.raises(ExportError, match="different settings"):
+        export_features(cfg(model_path, out, source, limit=1, topk=3))
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["fingerprint"]["tokenizer_sha256"] = "0" * 64
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match="another target"):
+        export_features(cfg(model_path, out, source, limit=1))
+
+
+def test_shards_partition_the_selection(model_path, source, tmp_path):
+    ms = [export_features(cfg(model_path, tmp_path / f"p{i}", source, shard=(i, 2))) for i in range(2)]
+    whole = export_features(cfg(model_path, tmp_path / "all", source))
+    assert sum(m.n_sequences for m in ms) == whole.n_sequences
+    ids = sorted(tuple(s.input_ids.tolist()) for i in range(2) for s in iter_sequences(tmp_path / f"p{i}"))
+    assert ids == sorted(tuple(s.input_ids.tolist()) for s in iter_sequences(tmp_path / "all"))
+
+
+def test_malformed_input_counted_and_cli_errors_are_one_line(model_path, source, tmp_path):
+    cmd = [sys.executable, "-m", "hetero_spec", "export-features"]
+    r = subprocess.run(cmd + [str(model_path), str(tmp_path / "ok"), "--source", str(source), "--limit", "2",
+                              "--max-len", "256"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    skipped = read_manifest(tmp_path / "ok").skipped
+    assert skipped == {"malformed_json": 1, "empty": 1}
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 64)
+    for args in ([str(bad), str(tmp_path / "x"), "--source", str(source)],
+                 [str(model_path), str(tmp_path / "y"), "--source", str(tmp_path / "missing.jsonl")],
+                 [str(model_path), str(tmp_path / "z"), "--source", str(source), "--shard", "3/2"]):
+        r = subprocess.run(cmd + args, capture_output=True, text=True)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert len([x for x in r.stderr.splitlines() if x.strip()]) <= 3  # click usage lines at most
+
+
+def test_packaged_sharegpt_reader_recovers_the_whole_conversations():
+    src = load_source(sharegpt_path())
+    assert src.skipped["truncated_tail"] == 1
+    whole = len(src.conversations) + src.skipped["empty"]
+    assert whole > 17000 and src.skipped.get("malformed_record", 0) == 0
