@@ -302,6 +302,33 @@ def load_or_measure(
     return curve
 
 
+def calibrate(
+    model: str | Path,
+    draft: str | Path | None = None,
+    *,
+    threads: int = 0,
+    quick: bool = False,
+    repeats: int | None = None,
+    out: str | Path | None = None,
+    draft_device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+) -> tuple[CostCurve, Path]:
+    """Load the target (and draft), measure, save the JSON where ``load_or_measure`` looks (or ``out``)."""
+    from .api import HeteroSpec
+
+    with HeteroSpec(model, draft, n_ctx=PREFIX_TOKENS + 2 * MAX_ROWS, threads=threads, draft_device=draft_device) as hs:
+        curve = measure(hs.target, hs.draft, quick=quick, repeats=repeats, progress=progress,
+                        model=_describe(model, draft))
+        path = Path(out) if out is not None else cache_path(model, draft, hs.target.n_threads)
+    return curve, save(curve, path)
+
+
+def timings_count(quick: bool, repeats: int | None, with_draft: bool) -> int:
+    """How many timed calls ``measure`` makes (for a progress bar)."""
+    r = repeats or (3 if quick else 9)
+    return MAX_ROWS * r * (2 if with_draft else 1)
+
+
 def save(curve: CostCurve, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,4 +338,4 @@ def save(curve: CostCurve, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CostCurve", "measure", "cache_path", "load_or_measure", "save", "machine_id"]
+__all__ = ["CostCurve", "measure", "cache_path", "load_or_measure", "save", "machine_id", "calibrate"]

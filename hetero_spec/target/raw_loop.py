@@ -5,6 +5,8 @@ Benchmarks hold hetero-spec's plain path and its speculative path against this l
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import _ffi
@@ -17,6 +19,7 @@ class RawGreedy:
         self.n_vocab = C.llama_vocab_n_tokens(model.vocab)
         self.vocab = model.vocab
         self.n_batch = n_batch
+        self.last_prefill_s = 0.0  # wall time of the last prompt's decode plus its first token
 
     def close(self) -> None:
         self.ctx.close()
@@ -26,6 +29,8 @@ class RawGreedy:
         _ffi.check_decode(C.llama_decode(self.ctx.ptr, C.llama_batch_get_one(arr, len(tokens))))
 
     def generate(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy ids after ``prompt`` (a final end-of-generation id included), from an empty cache."""
+        t0 = time.perf_counter()
         C.llama_memory_clear(self.ctx.memory, True)
         for i in range(0, len(prompt), self.n_batch):
             self._decode(prompt[i : i + self.n_batch])
@@ -34,6 +39,8 @@ class RawGreedy:
             logits = np.ctypeslib.as_array(C.llama_get_logits_ith(self.ctx.ptr, -1), shape=(self.n_vocab,))
             tok = int(logits.argmax())
             out.append(tok)
+            if len(out) == 1:
+                self.last_prefill_s = time.perf_counter() - t0
             if len(out) >= max_new_tokens or C.llama_vocab_is_eog(self.vocab, tok):
                 return out
             self._decode([tok])

@@ -1,0 +1,126 @@
+"""The runs a bench compares: baselines on llama.cpp and hetero-spec through its public API.
+
+Every run starts from an empty KV cache (no prefix reuse between prompts, for anyone),
+decodes greedily, uses the same threads and micro-batches of 32 rows (the
+batch-invariant size, so the same tokens give bit-identical logits on every path), and
+returns a ``RunResult``.  Wall time includes the prompt's prefill: that is what a user
+waits for, and speculative methods pay extra there (every prompt row is an output).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..records import Round
+
+
+@dataclass(frozen=True)
+class RunResult:
+    text: str  # generated text, end-of-generation tokens not rendered
+    new_tokens: int  # generated ids, a final end-of-generation id included
+    wall_s: float  # prefill + decode
+    tokens: list[int] | None = None  # generated ids where the API exposes them
+    prefill_s: float | None = None  # time to the first generated token, where known
+    stats: dict[str, Any] | None = None  # RunStats.to_dict() for hetero-spec runs
+    rounds: tuple[Round, ...] = ()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class Runner(Protocol):
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunResult: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class BenchTarget:
+    """What every run shares: the files, threads and context size."""
+
+    model: Path
+    draft: Path | None
+    threads: int
+    n_ctx: int
+    k: int = 3
+    draft_device: str = "cpu"
+    draft_dtype: str = "auto"
+    lookup_tokens: int = 2  # llama-cpp-python's advice for CPU-only machines (10 is its GPU default)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class RawRun:
+    """Method (1), the baseline: ``RawGreedy``, the plainest loop on the low-level API."""
+
+    def __init__(self, hs) -> None:
+        from ..target.raw_loop import RawGreedy
+
+        self.target = hs.target
+        self.loop = RawGreedy(hs.target._model, n_ctx=hs.target.n_ctx, n_threads=hs.target.n_threads)
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
+        t0 = time.perf_counter()
+        out = self.loop.generate(prompt, max_new_tokens)
+        wall = time.perf_counter() - t0
+        text = self.target.detokenize([t for t in out if not self.target.is_eog(t)])
+        return RunResult(text, len(out), wall, tokens=out, prefill_s=self.loop.last_prefill_s)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+class LlamaCppRun:
+    """Methods (2) and (3): llama-cpp-python's high-level ``create_completion``, optionally with
+    its built-in prompt-lookup speculation.  Text only: the completion API returns no ids."""
+
+    def __init__(self, bt: BenchTarget, *, prompt_lookup: bool) -> None:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=bt.lookup_tokens) if prompt_lookup else None
+        self.llm = llama_cpp.Llama(
+            str(bt.model), n_ctx=bt.n_ctx, n_batch=32, n_ubatch=32, n_threads=bt.threads,
+            n_threads_batch=bt.threads, draft_model=draft, verbose=False,
+            # With a draft model, Llama forces logits for every row but sizes its score buffer
+            # from this argument: without it, the first speculative eval overflows the buffer.
+            logits_all=prompt_lookup,
+            # llama-cpp-python disables flash attention by default while llama.cpp (and so the
+            # raw baseline) picks it automatically (on, on CPUs): different attention kernels,
+            # different logits, different greedy text on about one prompt in four.  Same kernels here.
+            flash_attn=True,
+        )
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
+        self.llm.reset()  # no prefix reuse from the previous prompt
+        t0 = time.perf_counter()
+        out = self.llm.create_completion(prompt, max_tokens=max_new_tokens, temperature=0.0, repeat_penalty=1.0)
+        wall = time.perf_counter() - t0
+        n = int(out["usage"]["completion_tokens"])
+        if out["choices"][0].get("finish_reason") == "stop":
+            n += 1  # the end-of-generation token it sampled but does not count
+        return RunResult(out["choices"][0]["text"], n, wall)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class HeteroSpecRun:
+    """Methods (4) and later: ``HeteroSpec.generate`` with the given options (draft_len, ...)."""
+
+    def __init__(self, hs, **options: Any) -> None:
+        self.hs = hs
+        self.options = options
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
+        self.hs.reset()  # both KV caches: the prompt is prefilled from scratch
+        t0 = time.perf_counter()
+        out = self.hs.generate(prompt, max_new_tokens=max_new_tokens, **self.options)
+        wall = time.perf_counter() - t0
+        s = out.stats
+        return RunResult(out.text, len(out.tokens), wall, tokens=list(out.tokens), prefill_s=s.prefill_s,
+                         stats=s.to_dict(), rounds=tuple(s.rounds))
+
+    def close(self) -> None:  # the HeteroSpec is shared and closed by the harness
+        pass

@@ -1,0 +1,95 @@
+"""``hetero-spec bench`` and ``hetero-spec calibrate``: parse options, call one function each."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import HeteroSpecError
+
+_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+
+
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+@click.command()
+@click.argument("model", type=_FILE)
+@click.argument("draft", required=False, type=_FILE)
+@click.option("--datasets", default="mt_bench,humaneval,gsm8k,alpaca", show_default=True,
+              help="comma-separated: shipped set names or paths to JSONL files with a 'turns' list per line")
+@click.option("--n-prompts", default=8, show_default=True, type=click.IntRange(1), help="first N prompts of each")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--k", default=3, show_default=True, type=click.IntRange(1, 31), help="draft tokens per round (chain)")
+@click.option("--methods", default="raw,llama-cpp,prompt-lookup,chain", show_default=True,
+              help="comma-separated from the registry (raw is always run: it is the baseline)")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="threads for every method (0 = all cores)")
+@click.option("--ctx", default=2048, show_default=True, type=click.IntRange(64), help="context size")
+@click.option("--draft-device", default="cpu", show_default=True)
+@click.option("--draft-dtype", default="auto", show_default=True)
+@click.option("--lookup-tokens", default=2, show_default=True, type=click.IntRange(1),
+              help="prompt-lookup draft length (llama-cpp-python advises 2 on CPU-only machines)")
+@click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
+def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
+          lookup_tokens, out) -> None:
+    """Time raw llama.cpp, llama-cpp-python and hetero-spec side by side on the same prompts."""
+    from tqdm import tqdm
+
+    from ..target.llama_target import default_threads
+    from .baselines import BenchTarget
+    from .harness import BASELINE, BenchConfig, load_dataset, run_bench
+    from .report import markdown, write_bench
+
+    cfg = BenchConfig(
+        target=BenchTarget(model, draft, threads=threads or default_threads(), n_ctx=ctx, k=k,
+                           draft_device=draft_device, draft_dtype=draft_dtype, lookup_tokens=lookup_tokens),
+        datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+    )
+    if not cfg.datasets or not cfg.methods:
+        raise HeteroSpecError("--datasets and --methods need at least one entry each")
+    n_runs = sum(len(load_dataset(d, n_prompts).prompts) for d in cfg.datasets) * len({BASELINE, *cfg.methods})
+    with tqdm(desc="bench", unit="run", total=n_runs) as bar:
+        def step(method: str) -> None:
+            bar.set_postfix_str(method)
+            bar.update(1)
+
+        result = run_bench(cfg, progress=step)
+    paths = write_bench(result, out)
+    click.echo(markdown(result))
+    click.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+
+
+@click.command()
+@click.argument("model", type=_FILE)
+@click.argument("draft", required=False, type=_FILE)
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = all cores)")
+@click.option("--quick", is_flag=True, help="3 timings per n instead of 9 (what first use does automatically)")
+@click.option("--repeats", type=click.IntRange(1), help="timings per n (overrides --quick)")
+@click.option("--draft-device", default="cpu", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="JSON file (default: the per-machine cache that --draft-len auto reads)")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path),
+              help="PNG of the curve (default: beside the JSON)")
+def calibrate(model, draft, threads, quick, repeats, draft_device, out, plot) -> None:
+    """Measure the target's verification cost t(n)/t(1), n = 1..32, and the draft's step cost."""
+    from tqdm import tqdm
+
+    from ..calibration import calibrate as run, timings_count
+    from .report import plot_curve
+
+    with tqdm(desc="calibrate", unit="decode", total=timings_count(quick, repeats, draft is not None)) as bar:
+        curve, path = run(model, draft, threads=threads, quick=quick, repeats=repeats, out=out,
+                          draft_device=draft_device, progress=bar.update)
+    png = plot_curve(curve, plot or path.with_suffix(".png"))
+    click.echo(f"# {curve.model}\n# {curve.machine}")
+    click.echo("n\tt(n) ms\tt(n)/t(1)\tenvelope" + ("\tdraft rows ms" if curve.draft_rows_ms else ""))
+    env = curve.envelope_ms()
+    for n in sorted(curve.verify_ms):
+        line = f"{n}\t{curve.verify_ms[n]:.2f}\t{curve.verify_ratio(n):.2f}\t{env[n] / curve.verify_ms[1]:.2f}"
+        if curve.draft_rows_ms:
+            line += f"\t{curve.draft_rows_ms.get(n, float('nan')):.2f}"
+        click.echo(line)
+    if draft is not None:
+        click.echo(f"draft step: {curve.draft_step_ms:.3f} ms")
+    click.echo(f"wrote {path} and {png}", err=True)

@@ -1,0 +1,134 @@
+"""The bench end to end on the real GGUF: tiny runs, structure and output equality asserted (never speed)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetero_spec.bench.baselines import BenchTarget
+from hetero_spec.bench.harness import METHODS, BenchConfig, Method, load_dataset, register, run_bench
+from hetero_spec.bench.report import markdown, summarize, write_bench
+from hetero_spec.errors import HeteroSpecError
+from hetero_spec.target.llama_target import default_threads
+from tests.conftest import bench_prompts
+
+CLI = [sys.executable, "-m", "hetero_spec"]
+METHOD_NAMES = ("raw", "llama-cpp", "prompt-lookup", "plain", "chain")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def custom_jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "mine.jsonl"
+    path.write_text(json.dumps({"turns": ["Name three primes and say why they are prime.", "More?"]}) + "\n\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def result(model_path, random_draft_path, custom_jsonl):
+    cfg = BenchConfig(
+        target=BenchTarget(model_path, random_draft_path, threads=default_threads(), n_ctx=512, k=3),
+        datasets=("mt_bench", str(custom_jsonl)), methods=METHOD_NAMES, n_prompts=1, max_new_tokens=16,
+    )
+    seen = []
+    res = run_bench(cfg, progress=seen.append)
+    assert sorted(seen) == sorted(METHOD_NAMES * 2)  # one progress tick per method and prompt
+    return res
+
+
+def test_every_method_ran_on_every_prompt(result):
+    pairs = {(r.method, r.dataset) for r in result.records}
+    assert pairs == {(m, d) for m in METHOD_NAMES for d in ("mt_bench", "mine")}
+    for r in result.records:
+        assert 1 <= r.new_tokens <= 16 and r.wall_s > 0 and r.tokens_per_s > 0 and r.text
+    raw = [r for r in result.records if r.method == "raw"]
+    assert all(r.speedup == 1.0 and r.equal for r in raw)
+
+
+def test_hetero_spec_and_high_level_api_match_raw(result):
+    """Lossless greedy speculation, and the same kernels on every path (flash attention aligned)."""
+    for r in result.records:
+        if r.method in ("plain", "chain", "llama-cpp"):
+            texts = {o.method: o.text for o in result.records if o.dataset == r.dataset}
+            assert r.equal, f"{r.method} differs from raw on {r.dataset}: {texts}"
+        if r.equal and r.method != "raw":
+            assert "raw" in r.same_text_as
+
+
+def test_speculative_records_carry_rounds_and_split(result):
+    for r in (r for r in result.records if r.method == "chain"):
+        assert r.stats["rounds"] >= 1 and r.accepted and all(0 <= a <= 3 for a in r.accepted)
+        assert r.stats["bytes_to_draft"] > 0 and r.prefill_s is not None and 0 < r.prefill_s < r.wall_s
+    rows = {(s["method"], s["dataset"]): s for s in summarize(result)}
+    chain = rows[("chain", "all")]
+    assert chain["prompts"] == 2 and chain["equal"] == 2
+    assert 1.0 <= chain["mean_accepted_length"] <= 4.0
+    assert set(chain["split"]) == {"prefill", "verify", "draft", "overhead", "other"}
+    assert abs(sum(chain["split"].values()) - 1.0) < 1e-6 and chain["bytes_per_token"] > 0
+    assert rows[("llama-cpp", "all")]["mean_accepted_length"] is None
+
+
+def test_report_files(result, tmp_path):
+    paths = write_bench(result, tmp_path / "out")
+    names = {p.name for p in paths}
+    assert names == {"bench.json", "bench.md", "speedup.png", "accepted_length.png"}
+    for p in paths:
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == PNG
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert data["meta"]["target_label"] == "real model" and data["meta"]["draft"]
+    assert len(data["prompts"]) == 10 and {s["method"] for s in data["summary"]} == set(METHOD_NAMES)
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert md == markdown(result) and md.count("| chain |") == 3  # two datasets and "all"
+
+
+def test_registry_takes_a_new_method_in_one_entry(model_path, random_draft_path):
+    register(Method("chain-k1", "chain with one draft", lambda c: c.hetero_run(draft_len=1),
+                    needs_draft=True, speculative=True))
+    try:
+        cfg = BenchConfig(target=BenchTarget(model_path, random_draft_path, threads=default_threads(), n_ctx=512),
+                          datasets=("gsm8k",), methods=("chain-k1",), n_prompts=1, max_new_tokens=8, warmup=False)
+        res = run_bench(cfg)
+        assert {r.method for r in res.records} == {"raw", "chain-k1"}  # raw always runs: the baseline
+        assert all(r.equal for r in res.records)
+        assert all(a <= 1 for r in res.records for a in r.accepted)
+    finally:
+        METHODS.pop("chain-k1")
+
+
+def test_dataset_loading(custom_jsonl, tmp_path):
+    assert load_dataset("gsm8k", 3).prompts == tuple(bench_prompts("gsm8k", 3))
+    assert load_dataset(str(custom_jsonl), 5).prompts == ("Name three primes and say why they are prime.",)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": []}\n')
+    with pytest.raises(HeteroSpecError, match="turns"):
+        load_dataset(str(bad), 1)
+    with pytest.raises(HeteroSpecError, match="unknown dataset"):
+        load_dataset("no_such_set", 1)
+
+
+def test_cli_bench_writes_report(model_path, random_draft_path, tmp_path):
+    proc = subprocess.run([*CLI, "bench", model_path, random_draft_path, "--datasets", "alpaca", "--n-prompts", "1",
+                           "--max-new-tokens", "8", "--methods", "raw,chain", "--ctx", "512", "--out", tmp_path],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "| chain | alpaca |" in proc.stdout and "bench:" in proc.stderr  # table, progress bar
+    assert (tmp_path / "bench.json").is_file() and (tmp_path / "speedup.png").is_file()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--methods", "raw,warp-drive"], "unknown method"),
+    (["--datasets", "nope"], "unknown dataset"),
+])
+def test_cli_bench_user_errors_are_one_line(model_path, random_draft_path, args, fragment):
+    proc = subprocess.run([*CLI, "bench", model_path, random_draft_path, *args], capture_output=True, text=True,
+                          timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and len(lines) == 1 and fragment in lines[0]
+
+
+def test_cli_bench_chain_needs_a_draft(model_path):
+    proc = subprocess.run([*CLI, "bench", model_path, "--methods", "chain"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "needs a DRAFT" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,94 @@
+"""Calibration on the real GGUF and draft: a full 1..32 curve, sane JSON, the cache, the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetero_spec import calibration
+from hetero_spec.calibration import CostCurve, cache_path, load_or_measure, measure
+from hetero_spec.errors import HeteroSpecError
+
+CLI = [sys.executable, "-m", "hetero_spec"]
+
+
+@pytest.fixture(scope="module")
+def curve(hs):
+    return measure(hs.target, hs.draft, repeats=1, model="test")
+
+
+def test_curve_covers_1_to_32(curve):
+    assert sorted(curve.verify_ms) == list(range(1, 33))
+    assert all(v > 0 for v in curve.verify_ms.values()) and curve.verify_ratio(1) == 1.0
+    assert sorted(curve.draft_rows_ms) == list(range(1, 33)) and curve.draft_step_ms > 0
+    assert "threads" in curve.machine and curve.model == "test"
+
+
+def test_envelope_is_monotone_upper_bound(curve):
+    env = curve.envelope_ms()
+    ns = sorted(env)
+    assert all(env[a] <= env[b] for a, b in zip(ns, ns[1:]))
+    assert all(env[n] >= curve.verify_ms[n] for n in ns) and env[32] == max(curve.verify_ms.values())
+
+
+def test_json_round_trip(curve):
+    text = curve.to_json()
+    data = json.loads(text)
+    assert data["version"] == calibration.CURVE_VERSION and data["verify_ratio"]["1"] == 1.0
+    assert CostCurve.from_json(text) == curve
+    with pytest.raises(HeteroSpecError):
+        CostCurve.from_json('{"verify_ms": {"2": 3.0}, "draft_step_ms": 1}')  # no t(1)
+    with pytest.raises(HeteroSpecError):
+        CostCurve.from_json("not json")
+
+
+def test_measure_leaves_both_caches_empty_and_embeddings_as_found(hs, curve):
+    assert hs.target.n_past == 0 and hs.target.kv_pos_max() == -1 and hs.draft.n == 0
+    hs.target.set_embeddings(False)
+    measure(hs.target, None, ns=[1, 2], repeats=1)
+    assert hs.target.embeddings is False
+    # and generation afterwards still equals plain decoding
+    spec = hs.chat([{"role": "user", "content": "Say hi."}], max_new_tokens=12, draft_len=3).tokens
+    hs.reset()
+    plain = hs.chat([{"role": "user", "content": "Say hi."}], max_new_tokens=12, draft_len=0).tokens
+    assert spec == plain
+
+
+def test_interpolation():
+    c = CostCurve({1: 10.0, 4: 16.0, 8: 20.0}, 1.0)
+    assert c.verify_time_ms(2) == pytest.approx(12.0) and c.verify_ratio(4) == pytest.approx(1.6)
+    assert c.verify_time_ms(10) == pytest.approx(22.0)  # the last slope extended
+    assert c.draft_rows_time_ms(3) == pytest.approx(3.0)  # no rows measured: n steps
+
+
+def test_load_or_measure_caches_per_model(hs, model_path, random_draft_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    real = calibration.measure
+
+    def counting(*a, **kw):
+        calls.append(1)
+        kw["ns"] = [1, 2, 3]
+        return real(*a, **kw)
+
+    monkeypatch.setattr(calibration, "measure", counting)
+    first = load_or_measure(hs.target, hs.draft, model_path, random_draft_path)
+    path = cache_path(model_path, random_draft_path, hs.target.n_threads)
+    assert path.is_file() and str(tmp_path) in str(path)
+    again = load_or_measure(hs.target, hs.draft, model_path, random_draft_path)
+    assert again == first and len(calls) == 1  # the second call read the file
+    assert cache_path(model_path, None, hs.target.n_threads) != path  # another draft, another curve
+    assert model_path.name in first.model and random_draft_path.name in first.model
+
+
+def test_cli_calibrate(model_path, tmp_path):
+    out = tmp_path / "curve.json"
+    proc = subprocess.run([*CLI, "calibrate", model_path, "--repeats", "1", "--out", out],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [ln for ln in proc.stdout.splitlines() if ln and ln[0].isdigit()]
+    assert [int(r.split("\t")[0]) for r in rows] == list(range(1, 33))
+    assert CostCurve.from_json(out.read_text()).draft_step_ms == 0.0  # no draft given
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
