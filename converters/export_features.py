@@ -78,9 +78,6 @@ def export_features(cfg: ExportConfig) -> Manifest:
 
     if cfg.dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}")
-    if cfg.layers:
-        raise ExportError("--layers needs llama.cpp's eval callback, which this build does not expose yet "
-                          "(see docs/converters.md)")
     src = load_source(resolve_source(cfg.source))
     items = select(src.conversations, limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=cfg.shard)
     if not items:
@@ -96,14 +93,17 @@ def export_features(cfg: ExportConfig) -> Manifest:
                                 lambda s: target.tokenize(s, add_special=False, parse_special=True), target.is_eog)
         if not renderer.template:
             raise ExportError(f"{cfg.model.name} has no chat template; conversations cannot be rendered")
-        gen = _open_generator(cfg) if cfg.regenerate else None
-        bar = tqdm(total=len(items), initial=prog.next_index, unit="conv", desc="export", dynamic_ncols=True)
-        t0 = time.perf_counter()
+        gen = taps = bar = None
         try:
+            gen = _open_generator(cfg) if cfg.regenerate else None
+            taps = _open_taps(cfg) if cfg.layers else None
+            bar = tqdm(total=len(items), initial=prog.next_index, unit="conv", desc="export", dynamic_ncols=True)
+            t0 = time.perf_counter()
             for start in range(prog.next_index, len(items), cfg.chunk):
                 chunk = items[start : start + cfg.chunk]
                 skipped: Counter = Counter()
-                done = [_features(target, ids, mask, cfg) for ids, mask in _encode_chunk(chunk, renderer, gen, cfg, skipped)]
+                done = [_features(target, ids, mask, cfg, taps)
+                        for ids, mask in _encode_chunk(chunk, renderer, gen, cfg, skipped)]
                 # only whole chunks enter the buffer, so an interrupted chunk is redone on resume
                 prog.sequences += done
                 prog.skipped += skipped
@@ -119,9 +119,9 @@ def export_features(cfg: ExportConfig) -> Manifest:
             _flush(cfg, manifest, prog)  # whole chunks only: the next run resumes after them
             raise
         finally:
-            bar.close()
-            if gen is not None:
-                gen.close()
+            for owner in (bar, gen, taps):
+                if owner is not None:
+                    owner.close()
     return manifest
 
 
@@ -225,6 +225,12 @@ def _open_generator(cfg: ExportConfig):
                                                      seed=cfg.seed or 0, n_threads=cfg.threads))
 
 
+def _open_taps(cfg: ExportConfig):
+    from hetero_spec.target.layer_taps import LayerTapTarget
+
+    return LayerTapTarget(cfg.model, cfg.layers, n_ctx=cfg.max_len, n_threads=cfg.threads)
+
+
 def _encode_chunk(chunk: list[Conversation], renderer: ChatRenderer, gen, cfg: ExportConfig,
                   skipped: Counter) -> list[tuple[list[int], list[int]]]:
     """(ids, mask) per kept conversation of the chunk, in order; skips are counted by reason."""
@@ -264,6 +270,17 @@ def _encode_chunk(chunk: list[Conversation], renderer: ChatRenderer, gen, cfg: E
     return [out[c.index] for c in chunk if c.index in out]
 
 
+def _topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """logits ``[n, V] f32`` -> top-k ids ``[n, k] int32`` (best first) and their log-probs ``[n, k] f32``."""
+    idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(logits, idx, axis=1)
+    order = np.argsort(-vals, axis=1)
+    idx, vals = np.take_along_axis(idx, order, 1), np.take_along_axis(vals, order, 1)
+    m = logits.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+    return idx.astype(np.int32), vals - lse
+
+
 def extract(target, ids: list[int], topk: int = 0) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Decode ``ids`` from an empty cache in 32-row micro-batches, as the runtime does.
 
@@ -280,21 +297,25 @@ def extract(target, ids: list[int], topk: int = 0) -> tuple[np.ndarray, np.ndarr
         b = a + len(h)
         hidden[a:b] = h
         if topk:
-            idx = np.argpartition(-logits, topk - 1, axis=1)[:, :topk]
-            vals = np.take_along_axis(logits, idx, axis=1)
-            order = np.argsort(-vals, axis=1)
-            idx, vals = np.take_along_axis(idx, order, 1), np.take_along_axis(vals, order, 1)
-            m = logits.max(axis=1, keepdims=True)
-            lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
-            top_ids[a:b], top_lp[a:b] = idx, vals - lse
+            top_ids[a:b], top_lp[a:b] = _topk(logits, topk)
     return hidden, top_ids, top_lp
 
 
-def _features(target, ids: list[int], mask: list[int], cfg: ExportConfig) -> FeatureSequence:
-    hidden, top_ids, top_lp = extract(target, ids, cfg.topk)
-    extras = {}
+def _features(target, ids: list[int], mask: list[int], cfg: ExportConfig, taps=None) -> FeatureSequence:
+    extras: dict[str, np.ndarray] = {}
+    if taps is not None:  # intermediate blocks requested: the eval-callback context decodes instead
+        top_ids = np.empty((len(ids), cfg.topk), dtype=np.int32)
+        top_lp = np.empty((len(ids), cfg.topk), dtype=np.float32)
+
+        def keep_topk(a: int, logits: np.ndarray) -> None:
+            top_ids[a : a + len(logits)], top_lp[a : a + len(logits)] = _topk(logits, cfg.topk)
+
+        hidden, layers = taps.run(ids, keep_topk if cfg.topk else None)
+        extras.update({f"layer_{i}": v.astype(DTYPES[cfg.dtype]) for i, v in layers.items()})
+    else:
+        hidden, top_ids, top_lp = extract(target, ids, cfg.topk)
     if cfg.topk:
-        extras = {"topk_ids": top_ids, "topk_logprobs": top_lp.astype(np.float16)}
+        extras.update(topk_ids=top_ids, topk_logprobs=top_lp.astype(np.float16))
     return FeatureSequence(np.asarray(ids, dtype=np.int32), hidden.astype(DTYPES[cfg.dtype]),
                            np.asarray(mask, dtype=np.uint8), extras)
 

@@ -181,3 +181,22 @@ def test_packaged_sharegpt_reader_recovers_the_whole_conversations():
     assert src.skipped["truncated_tail"] == 1
     whole = len(src.conversations) + src.skipped["empty"]
     assert whole > 17000 and src.skipped.get("malformed_record", 0) == 0
+
+
+def test_intermediate_layers_via_eval_callback(model_path, source, target, tmp_path):
+    from gguf import GGUFReader
+
+    last = 29  # SmolLM2-135M has 30 blocks
+    export_features(cfg(model_path, tmp_path / "l", source, limit=2, layers=(3, last), topk=4))
+    export_features(cfg(model_path, tmp_path / "p", source, limit=2, topk=4))
+    w = next(np.asarray(x.data, dtype=np.float32) for x in GGUFReader(model_path).tensors
+             if x.name == "output_norm.weight")
+    for s, plain in zip(iter_sequences(tmp_path / "l"), iter_sequences(tmp_path / "p")):
+        np.testing.assert_array_equal(s.hidden, plain.hidden)  # observing nodes changes no arithmetic
+        np.testing.assert_array_equal(s.extras["topk_ids"], plain.extras["topk_ids"])
+        x = s.extras[f"layer_{last}"]
+        normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w  # the final RMSNorm by hand
+        np.testing.assert_allclose(normed, s.hidden, rtol=1e-4, atol=1e-4)
+        assert not np.allclose(s.extras["layer_3"], x)
+    with pytest.raises(Exception, match="out of range"):
+        export_features(cfg(model_path, tmp_path / "bad", source, limit=1, layers=(30,)))

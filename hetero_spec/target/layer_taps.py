@@ -1,0 +1,146 @@
+"""Hidden states of intermediate blocks through llama.cpp's eval callback (``cb_eval``).
+
+WHY: multi-layer fusion (EAGLE-3 style) wants the residual stream after chosen blocks, which
+llama.cpp never returns through its public getters.  The scheduler's eval callback is
+asked, for every graph node, whether we want to see it; we say yes to ``l_out-<i>`` (the
+residual stream after block i, ``[n_tokens, n_embd]`` float32) and copy it when computed.
+Observing nodes splits the graph there but does not change any arithmetic, so the final
+hidden states stay what ``LlamaTarget`` returns (a test checks it bitwise).
+
+The callback needs three ggml functions (tensor name, size, copy-out) from ``libggml-base``,
+which llama-cpp-python ships beside ``libllama``; they are declared here rather than in
+``_ffi`` only because that module belongs to the runtime.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import TargetError
+from . import _ffi
+from ._ffi import C, BatchHandle, ModelHandle
+
+
+def _libggml() -> ctypes.CDLL:
+    lib_dir = Path(C.__file__).parent / "lib"
+    for name in ("libggml-base.so", "libggml-base.dylib", "ggml-base.dll"):
+        if (lib_dir / name).exists():
+            lib = ctypes.CDLL(str(lib_dir / name))
+            break
+    else:
+        raise TargetError(f"libggml-base not found beside libllama in {lib_dir}; --layers is unavailable")
+    lib.ggml_get_name.argtypes, lib.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+    lib.ggml_nbytes.argtypes, lib.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
+class _TensorHead(ctypes.Structure):
+    """The stable head of ``struct ggml_tensor``: type, buffer, ne[4] (ggml.h)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4)]
+
+
+class LayerTapTarget:
+    """One sequence decoded from scratch, returning final hidden states, logits and chosen block outputs.
+
+    >>> with LayerTapTarget("SmolLM2.gguf", layers=(2, 15)) as t:
+    ...     hidden, layers = t.run(ids)   # [T, d], {2: [T, d], 15: [T, d]}
+    """
+
+    def __init__(self, path: str | Path, layers: tuple[int, ...], *, n_ctx: int = 2048, n_batch: int = 32,
+                 n_threads: int = 0) -> None:
+        from .llama_target import default_threads
+
+        self._ggml = _libggml()
+        self._model = ModelHandle(Path(path))
+        self._ctx = None
+        self._batch = None
+        self.n_layer = C.llama_model_n_layer(self._model.ptr)
+        bad = [i for i in layers if not 0 <= i < self.n_layer]
+        if bad:
+            self.close()
+            raise TargetError(f"--layers {bad} out of range: the model has blocks 0..{self.n_layer - 1}")
+        self.layers = tuple(layers)
+        self.n_embd = C.llama_model_n_embd(self._model.ptr)
+        self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
+        self.n_batch = n_batch
+        self._wanted = {f"l_out-{i}".encode(): i for i in layers}
+        self._captured: dict[int, np.ndarray] = {}
+        self._callback = C.ggml_backend_sched_eval_callback(self._on_tensor)  # keep a reference
+        params = C.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        params.n_threads = params.n_threads_batch = n_threads or default_threads()
+        params.embeddings = True
+        params.pooling_type = C.LLAMA_POOLING_TYPE_NONE
+        params.no_perf = True
+        params.cb_eval = self._callback
+        params.cb_eval_user_data = None
+        self._ctx = C.llama_init_from_model(self._model.ptr, params)
+        if not self._ctx:
+            self.close()
+            raise TargetError(f"llama.cpp could not create a context of {n_ctx} tokens")
+        self._memory = C.llama_get_memory(self._ctx)
+        self._batch = BatchHandle(n_batch)
+
+    def _on_tensor(self, tensor, ask, user_data) -> bool:  # noqa: ARG002
+        name = self._ggml.ggml_get_name(tensor)
+        layer = self._wanted.get(name)
+        if ask:
+            return layer is not None
+        if layer is not None:
+            head = _TensorHead.from_address(tensor)
+            n_embd, n_tok = int(head.ne[0]), int(head.ne[1])
+            out = np.empty((n_tok, n_embd), dtype=np.float32)  # ggml ne0 is the row length
+            self._ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+            self._captured[layer] = out
+        return True
+
+    def run(self, ids: list[int], on_logits: Callable[[int, np.ndarray], None] | None = None
+            ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """hidden ``[T, n_embd] f32`` and {layer: ``[T, n_embd] f32``}.
+
+        ``on_logits(first_row, logits)`` sees each micro-batch's logits ``[n, n_vocab] f32``
+        (a view, valid during the call), so a caller never holds ``[T, n_vocab]`` at once.
+        """
+        C.llama_memory_clear(self._memory, True)
+        T = len(ids)
+        hidden = np.empty((T, self.n_embd), dtype=np.float32)
+        layers = {i: np.empty((T, self.n_embd), dtype=np.float32) for i in self.layers}
+        b = self._batch
+        for a in range(0, T, self.n_batch):
+            chunk = ids[a : a + self.n_batch]
+            n = len(chunk)
+            b.token[:n], b.pos[:n], b.output[:n] = chunk, np.arange(a, a + n, dtype=np.int32), 1
+            b.raw.n_tokens = n
+            self._captured.clear()
+            _ffi.check_decode(C.llama_decode(self._ctx, b.raw))
+            hidden[a : a + n] = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx), shape=(n, self.n_embd))
+            if on_logits is not None:
+                on_logits(a, np.ctypeslib.as_array(C.llama_get_logits(self._ctx), shape=(n, self.n_vocab)))
+            for i in self.layers:
+                if i not in self._captured:
+                    raise TargetError(f"llama.cpp did not expose l_out-{i} for this architecture")
+                layers[i][a : a + n] = self._captured[i]
+        return hidden, layers
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        if self._ctx:
+            C.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            self._model.close()
+            self._model = None
+
+    def __enter__(self) -> "LayerTapTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
