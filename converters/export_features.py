@@ -70,8 +70,11 @@ class _Progress:
     tokens: int = 0
 
 
-def export_features(cfg: ExportConfig) -> Manifest:
-    """Run (or resume) an export into ``cfg.out``; returns the final manifest."""
+def export_features(cfg: ExportConfig, hf_model: Path | None = None) -> Manifest:
+    """Run (or resume) an export into ``cfg.out``; returns the final manifest.
+
+    ``hf_model``: compute hidden states with transformers from this checkpoint (see hf_export.py).
+    """
     from tqdm import tqdm
 
     from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
@@ -83,7 +86,8 @@ def export_features(cfg: ExportConfig) -> Manifest:
     if not items:
         raise ExportError("the selection is empty (check --limit/--offset/--shard)")
     with LlamaTarget(cfg.model, TargetOptions(n_ctx=cfg.max_len, n_threads=cfg.threads, embeddings=True)) as target:
-        manifest = _open_manifest(cfg, target, src)
+        extractor = f"transformers:{hf_model.resolve()}" if hf_model is not None else "llama.cpp"
+        manifest = _open_manifest(cfg, target, src, extractor)
         prog = _Progress(next_index=manifest.options["progress"]["next_index"], done=manifest.options["progress"]["done"])
         if prog.done:
             print(f"{cfg.out}: already complete ({manifest.n_sequences} sequences); nothing to do")
@@ -96,7 +100,13 @@ def export_features(cfg: ExportConfig) -> Manifest:
         gen = taps = bar = None
         try:
             gen = _open_generator(cfg) if cfg.regenerate else None
-            taps = _open_taps(cfg) if cfg.layers else None
+            if hf_model is not None:
+                from .hf_export import HFExtractor
+
+                taps = HFExtractor(hf_model, cfg.layers, n_embd=target.n_embd, n_vocab=target.n_vocab,
+                                   threads=cfg.threads)
+            elif cfg.layers:
+                taps = _open_taps(cfg)
             bar = tqdm(total=len(items), initial=prog.next_index, unit="conv", desc="export", dynamic_ncols=True)
             t0 = time.perf_counter()
             for start in range(prog.next_index, len(items), cfg.chunk):
@@ -134,12 +144,12 @@ def _model_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _open_manifest(cfg: ExportConfig, target, src: LoadedSource) -> Manifest:
+def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str) -> Manifest:
     selection = dict(limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=f"{cfg.shard[0]}/{cfg.shard[1]}")
     source = dict(path=str(src.path), sha256=src.sha256, format=src.format, selection=selection,
                   n_conversations=len(src.conversations))
     options = dict(cfg.content_options(), model=dict(file=cfg.model.name, sha256=_model_sha256(cfg.model)),
-                   extractor="llama.cpp", n_batch=32)
+                   extractor=extractor, n_batch=32)
     cfg.out.mkdir(parents=True, exist_ok=True)
     if (cfg.out / "manifest.json").exists():
         old = read_manifest(cfg.out)

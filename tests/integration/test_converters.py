@@ -200,3 +200,30 @@ def test_intermediate_layers_via_eval_callback(model_path, source, target, tmp_p
         assert not np.allclose(s.extras["layer_3"], x)
     with pytest.raises(Exception, match="out of range"):
         export_features(cfg(model_path, tmp_path / "bad", source, limit=1, layers=(30,)))
+
+
+def test_hf_path_on_a_tiny_random_llama(model_path, source, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")  # the [hf] extra; installed with [dev]
+    from tests.tiny_gguf import write_tiny_llama
+
+    gguf = write_tiny_llama(model_path, tmp_path / "tiny.gguf", n_embd=64, n_layer=2, n_head=4, n_ff=128)
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    model.save_pretrained(tmp_path / "hf")
+    c = cfg(gguf, tmp_path / "f", source, limit=3, topk=3, layers=(0,))
+    m = export_features(c, hf_model=tmp_path / "hf")
+    assert m.options["extractor"].startswith("transformers:") and m.fingerprint.n_embd == 64
+    export_features(replace(c, out=tmp_path / "g", layers=()))  # the same data through llama.cpp
+    for s, g in zip(iter_sequences(tmp_path / "f"), iter_sequences(tmp_path / "g")):
+        np.testing.assert_array_equal(s.input_ids, g.input_ids)  # same tokenizer, template and masks
+        np.testing.assert_array_equal(s.loss_mask, g.loss_mask)
+        with torch.inference_mode():
+            out = model(torch.tensor([s.input_ids.tolist()]), output_hidden_states=True)
+        np.testing.assert_allclose(s.hidden, out.hidden_states[-1][0].numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s.extras["layer_0"], out.hidden_states[1][0].numpy(), rtol=1e-5, atol=1e-5)
+        assert (s.extras["topk_ids"][:, 0] == out.logits[0].argmax(-1).numpy()).all()
+    with pytest.raises(Exception, match="does not match the GGUF"):
+        export_features(cfg(model_path, tmp_path / "h", source, limit=1), hf_model=tmp_path / "hf")
