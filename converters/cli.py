@@ -93,6 +93,19 @@ def export_features(model, out_dir, source, limit, offset, seed, shard, regenera
         m = export_features_hf(cfg, hf_model)
     else:
         m = run_export(cfg)
+    in_file = ", ".join(f"{k}: {v}" for k, v in sorted(m.source.get("skipped_in_file", {}).items())) or "none"
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(m.skipped.items())) or "none"
-    click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens in {len(m.shards)} shards; "
-               f"skipped/counted: {skipped}")
+    click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens ({sum(s.n_loss_tokens for s in m.shards)}"
+               f" loss tokens) in {len(m.shards)} shards; skipped in the file: {in_file}; "
+               f"per conversation: {skipped}")
+
+
+@click.command("merge-features")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
+def merge_features(out_dir, parts) -> None:
+    """Merge complete feature exports (e.g. the --shard i/N parts) into OUT_DIR."""
+    from .export_features import merge_datasets
+
+    m = merge_datasets(list(parts), out_dir)
+    click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens in {len(m.shards)} shards")

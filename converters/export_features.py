@@ -12,10 +12,12 @@ order as an uninterrupted run.  Ctrl-C flushes the chunks already finished into 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -146,8 +148,9 @@ def _model_sha256(path: Path) -> str:
 
 def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str) -> Manifest:
     selection = dict(limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=f"{cfg.shard[0]}/{cfg.shard[1]}")
+    # problems of the file itself are counted once here; per-conversation skips go to manifest.skipped
     source = dict(path=str(src.path), sha256=src.sha256, format=src.format, selection=selection,
-                  n_conversations=len(src.conversations))
+                  n_conversations=len(src.conversations), skipped_in_file=dict(sorted(src.skipped.items())))
     options = dict(cfg.content_options(), model=dict(file=cfg.model.name, sha256=_model_sha256(cfg.model)),
                    extractor=extractor, n_batch=32)
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +168,7 @@ def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str)
         return old
     options["progress"] = dict(next_index=0, done=False)
     m = Manifest(fingerprint=target.fingerprint, dtype=cfg.dtype, template=target.chat_template, source=source,
-                 options=options, skipped=dict(src.skipped))
+                 options=options, skipped={})
     write_manifest(cfg.out, m)
     return m
 
@@ -330,5 +333,44 @@ def _features(target, ids: list[int], mask: list[int], cfg: ExportConfig, taps=N
                            np.asarray(mask, dtype=np.uint8), extras)
 
 
-def config_dict(cfg: ExportConfig) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+def merge_datasets(parts: list[Path], out: Path) -> Manifest:
+    """Merge complete exports of the same source and settings (e.g. ``--shard i/N`` parts) into ``out``.
+
+    Shards are hard-linked when the file system allows it (copied otherwise) and renumbered;
+    per-conversation skip counts add up.
+    """
+    if not parts:
+        raise ExportError("nothing to merge")
+    ms = [read_manifest(p) for p in parts]
+    first = ms[0]
+
+    def key(m: Manifest) -> tuple:
+        src = {k: v for k, v in m.source.items() if k != "selection"}
+        sel = {k: v for k, v in m.source.get("selection", {}).items() if k != "shard"}
+        opts = {k: v for k, v in m.options.items() if k != "progress"}
+        return (m.fingerprint, m.dtype, json.dumps([src, sel, opts], sort_keys=True))
+
+    for p, m in zip(parts, ms):
+        if key(m) != key(first):
+            raise ExportError(f"{p} was exported from another target, source or settings than {parts[0]}")
+        if not m.options.get("progress", {}).get("done"):
+            raise ExportError(f"{p} is not complete; finish it first (rerun its export command)")
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "manifest.json").exists():
+        raise ExportError(f"{out} already holds a dataset; merge into a new folder")
+    merged = Manifest(fingerprint=first.fingerprint, dtype=first.dtype, template=first.template,
+                      source=dict(first.source, selection=dict(first.source["selection"],
+                                                              shard=[m.source["selection"]["shard"] for m in ms])),
+                      options=dict(first.options, merged_from=[str(p) for p in parts]), skipped={})
+    for p, m in zip(parts, ms):
+        for info in m.shards:
+            dst = out / shard_name(len(merged.shards))
+            try:
+                os.link(p / info.file, dst)
+            except OSError:
+                shutil.copyfile(p / info.file, dst)
+            merged.shards.append(ShardInfo(dst.name, info.n_sequences, info.n_tokens, info.n_loss_tokens))
+        for k, v in m.skipped.items():
+            merged.skipped[k] = merged.skipped.get(k, 0) + v
+    write_manifest(out, merged)
+    return merged

@@ -25,8 +25,19 @@ def cli() -> None:
 @click.option("-p", "--prompt", help="prompt text; omit for an interactive session")
 @click.option("--chat/--raw", default=True, show_default=True, help="apply the GGUF's chat template")
 @click.option("-n", "--max-tokens", default=256, show_default=True, type=click.IntRange(1))
-@click.option("--draft-len", "-k", default=3, show_default=True, type=click.IntRange(0, 32), help="draft tokens per round")
-@click.option("--no-draft", is_flag=True, help="plain greedy decoding through the same code, for comparison")
+@click.option("--draft-len", "-k", default="auto", show_default=True,
+              help="draft tokens per round (0..32), or auto: sized each round from the cost curve and acceptance")
+@click.option("--tree", is_flag=True, help="draft an EAGLE-2-style tree instead of a chain")
+@click.option("--tree-tokens", default=12, show_default=True, type=click.IntRange(1, 31), help="drafted nodes per tree")
+@click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth (the maximum with auto)")
+@click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy")
+@click.option("--top-k", default=40, show_default=True, type=int, help="sampling: keep the k most likely (<= 0: off)")
+@click.option("--top-p", default=0.95, show_default=True, type=float, help="sampling: nucleus mass (1: off)")
+@click.option("--min-p", default=0.05, show_default=True, type=float, help="sampling: min probability relative to the top")
+@click.option("--seed", default=0, show_default=True, type=int, help="sampling seed (reproducible runs)")
+@click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below (default: 0.1 with auto)")
+@click.option("--no-draft", is_flag=True, help="plain decoding through the same code, for comparison")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
@@ -34,14 +45,18 @@ def cli() -> None:
 @click.option("--denoise", default=0.0, show_default=True, type=float, help="drop draft keys whose importance gate is below this")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
-def run(model, draft, prompt, chat, max_tokens, draft_len, no_draft, threads, ctx, draft_device, draft_dtype,
+def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tree_depth, tree_top_k, temperature,
+        top_k, top_p, min_p, seed, draft_p_min, no_draft, threads, ctx, draft_device, draft_dtype,
         denoise, stop, stats_json) -> None:
     """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens."""
     from .api import HeteroSpec
+    from .config import SamplingConfig, TreeSpec, parse_draft_len
 
     if draft is None and not no_draft:
         raise HeteroSpecError("give a DRAFT file, or --no-draft for plain decoding")
-    options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else draft_len, stop=stop)
+    options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else parse_draft_len(draft_len), stop=stop,
+                   tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
+                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed))
     with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
                     draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise)) as hs:
         if prompt is not None:
@@ -105,6 +120,7 @@ def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
 EXTRA_COMMANDS: list[str] = [
     "converters.cli:quantize",
     "converters.cli:export_features",
+    "converters.cli:merge_features",
     "hetero_spec.train_cli:train",
     "hetero_spec.train_cli:analyze_attention",
     "hetero_spec.bench.cli:bench",

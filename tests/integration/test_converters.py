@@ -11,7 +11,7 @@ import pytest
 
 from converters import export_features as ef
 from converters.datasets import load_source, sharegpt_path
-from converters.export_features import ExportConfig, ExportError, export_features
+from converters.export_features import ExportConfig, ExportError, export_features, merge_datasets
 from hetero_spec.chat_template import render_chat
 from hetero_spec.features import iter_sequences, read_manifest
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
@@ -155,8 +155,15 @@ def test_shards_partition_the_selection(model_path, source, tmp_path):
     ms = [export_features(cfg(model_path, tmp_path / f"p{i}", source, shard=(i, 2))) for i in range(2)]
     whole = export_features(cfg(model_path, tmp_path / "all", source))
     assert sum(m.n_sequences for m in ms) == whole.n_sequences
-    ids = sorted(tuple(s.input_ids.tolist()) for i in range(2) for s in iter_sequences(tmp_path / f"p{i}"))
+    merged = merge_datasets([tmp_path / "p0", tmp_path / "p1"], tmp_path / "merged")
+    assert merged.n_sequences == whole.n_sequences and merged.n_tokens == whole.n_tokens
+    ids = sorted(tuple(s.input_ids.tolist()) for s in iter_sequences(tmp_path / "merged"))
     assert ids == sorted(tuple(s.input_ids.tolist()) for s in iter_sequences(tmp_path / "all"))
+    with pytest.raises(ExportError, match="already holds"):
+        merge_datasets([tmp_path / "p0"], tmp_path / "merged")
+    export_features(cfg(model_path, tmp_path / "other", source, shard=(0, 2), topk=2))
+    with pytest.raises(ExportError, match="settings"):
+        merge_datasets([tmp_path / "p1", tmp_path / "other"], tmp_path / "m2")
 
 
 def test_malformed_input_counted_and_cli_errors_are_one_line(model_path, source, tmp_path):
@@ -164,8 +171,8 @@ def test_malformed_input_counted_and_cli_errors_are_one_line(model_path, source,
     r = subprocess.run(cmd + [str(model_path), str(tmp_path / "ok"), "--source", str(source), "--limit", "2",
                               "--max-len", "256"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    skipped = read_manifest(tmp_path / "ok").skipped
-    assert skipped == {"malformed_json": 1, "empty": 1}
+    m = read_manifest(tmp_path / "ok")
+    assert m.source["skipped_in_file"] == {"malformed_json": 1, "empty": 1} and m.n_sequences == 2
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 64)
     for args in ([str(bad), str(tmp_path / "x"), "--source", str(source)],
