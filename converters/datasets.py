@@ -159,6 +159,9 @@ def load_source(path: Path) -> LoadedSource:
             skipped["malformed_record"] += 1
             continue
         messages = [m for m in messages if m["content"].strip()]
+        first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), len(messages))
+        # answers before any question (many ShareGPT records start with the bot) have nothing to answer
+        messages = [m for k, m in enumerate(messages) if k >= first_user or m["role"] != "assistant"]
         if not any(m["role"] == "user" for m in messages):
             skipped["empty"] += 1
             continue

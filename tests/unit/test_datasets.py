@@ -55,6 +55,14 @@ def test_json_that_is_not_an_array_is_refused(tmp_path):
     assert len(load_source(path).conversations) == 1
 
 
+def test_leading_answers_are_dropped(tmp_path):
+    path = tmp_path / "lead.jsonl"
+    rec = {"conversations": [{"from": "gpt", "value": "Welcome!"}, {"from": "human", "value": "Hi"},
+                             {"from": "gpt", "value": "Hello"}]}
+    path.write_text(json.dumps(rec))
+    assert [m["role"] for m in load_source(path).conversations[0].messages] == ["user", "assistant"]
+
+
 def test_normalize_rejects_wrong_types():
     assert normalize({"conversations": [{"from": "human", "value": 3}]}) is None
     assert normalize({"messages": "hi"}) is None
