@@ -101,7 +101,7 @@ def export_features(cfg: ExportConfig, hf_model: Path | None = None) -> Manifest
             raise ExportError(f"{cfg.model.name} has no chat template; conversations cannot be rendered")
         gen = taps = bar = None
         try:
-            gen = _open_generator(cfg) if cfg.regenerate else None
+            gen = _open_generator(cfg, hf_model) if cfg.regenerate else None
             if hf_model is not None:
                 from .hf_export import HFExtractor
 
@@ -114,8 +114,8 @@ def export_features(cfg: ExportConfig, hf_model: Path | None = None) -> Manifest
             for start in range(prog.next_index, len(items), cfg.chunk):
                 chunk = items[start : start + cfg.chunk]
                 skipped: Counter = Counter()
-                done = [_features(target, ids, mask, cfg, taps)
-                        for ids, mask in _encode_chunk(chunk, renderer, gen, cfg, skipped)]
+                done = [_features(target, ids, mask, cfg, taps, hidden)
+                        for ids, mask, hidden in _encode_chunk(chunk, renderer, gen, cfg, skipped)]
                 # only whole chunks enter the buffer, so an interrupted chunk is redone on resume
                 prog.sequences += done
                 prog.skipped += skipped
@@ -230,12 +230,16 @@ def _first_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]] | None
     return prefix if any(p["role"] == "user" for p in prefix) else None
 
 
-def _open_generator(cfg: ExportConfig):
+def _open_generator(cfg: ExportConfig, hf_model: Path | None):
     from hetero_spec.target.batch_generate import BatchGenerator, GenerateOptions
 
+    # Hidden states straight from generation when nothing else is needed from a second pass: rows of
+    # several sequences in one <=32-row batch are bit-identical to LlamaTarget's prefill (tested), and
+    # this skips re-decoding every sequence.
+    fused = cfg.topk == 0 and not cfg.layers and hf_model is None
     return BatchGenerator(cfg.model, GenerateOptions(n_seq=cfg.n_seq, max_new_tokens=cfg.max_new_tokens,
                                                      seq_ctx=cfg.max_len, temperature=cfg.temperature,
-                                                     seed=cfg.seed or 0, n_threads=cfg.threads))
+                                                     seed=cfg.seed or 0, n_threads=cfg.threads, hidden=fused))
 
 
 def _open_taps(cfg: ExportConfig):
@@ -245,11 +249,11 @@ def _open_taps(cfg: ExportConfig):
 
 
 def _encode_chunk(chunk: list[Conversation], renderer: ChatRenderer, gen, cfg: ExportConfig,
-                  skipped: Counter) -> list[tuple[list[int], list[int]]]:
-    """(ids, mask) per kept conversation of the chunk, in order; skips are counted by reason."""
+                  skipped: Counter) -> list[tuple[list[int], list[int], np.ndarray | None]]:
+    """(ids, mask, hidden or None) per kept conversation of the chunk, in order; skips are counted by reason."""
     from hetero_spec.chat_template import TemplateRenderError
 
-    out: dict[int, tuple[list[int], list[int]]] = {}
+    out: dict[int, tuple[list[int], list[int], np.ndarray | None]] = {}
     prompts: list[tuple[int, list[int]]] = []
     for c in chunk:
         try:
@@ -271,15 +275,15 @@ def _encode_chunk(chunk: list[Conversation], renderer: ChatRenderer, gen, cfg: E
                 if not any(mask):
                     skipped["no_assistant_tokens"] += 1
                     continue
-                out[c.index] = (ids, mask)
+                out[c.index] = (ids, mask, None)
         except TemplateRenderError:
             skipped["template_error"] += 1
     if prompts:
         ids_of = dict(prompts)
-        for key, answer in gen.generate(prompts):
+        for key, answer, hidden in gen.generate(prompts):
             if not gen.is_eog(answer[-1]):
                 skipped["hit_max_new_tokens(kept)"] += 1
-            out[key] = (ids_of[key] + answer, [0] * len(ids_of[key]) + assistant_mask(answer, gen.is_eog))
+            out[key] = (ids_of[key] + answer, [0] * len(ids_of[key]) + assistant_mask(answer, gen.is_eog), hidden)
     return [out[c.index] for c in chunk if c.index in out]
 
 
@@ -314,9 +318,12 @@ def extract(target, ids: list[int], topk: int = 0) -> tuple[np.ndarray, np.ndarr
     return hidden, top_ids, top_lp
 
 
-def _features(target, ids: list[int], mask: list[int], cfg: ExportConfig, taps=None) -> FeatureSequence:
+def _features(target, ids: list[int], mask: list[int], cfg: ExportConfig, taps=None,
+              hidden: np.ndarray | None = None) -> FeatureSequence:
     extras: dict[str, np.ndarray] = {}
-    if taps is not None:  # intermediate blocks requested: the eval-callback context decodes instead
+    if hidden is not None:  # already computed during generation
+        pass
+    elif taps is not None:  # intermediate blocks requested: the eval-callback context decodes instead
         top_ids = np.empty((len(ids), cfg.topk), dtype=np.int32)
         top_lp = np.empty((len(ids), cfg.topk), dtype=np.float32)
 

@@ -62,7 +62,7 @@ def main() -> None:
         with BatchGenerator(model, GenerateOptions(n_seq=n, max_new_tokens=a.new, seq_ctx=1024,
                                                    n_threads=a.threads)) as g:
             t0 = time.perf_counter()
-            out = dict(g.generate(prompts))
+            out = {k: a for k, a, _ in g.generate(prompts)}
             dt = time.perf_counter() - t0
         speeds[n] = sum(len(v) for v in out.values()) / dt
         print(f"regenerate n_seq={n}: {speeds[n]:.1f} generated tok/s (prompt prefill included), "

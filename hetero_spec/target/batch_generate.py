@@ -32,6 +32,7 @@ class GenerateOptions:
     seed: int = 0
     max_rows: int = 32  # rows per llama_decode
     n_threads: int = 0
+    hidden: bool = False  # also return every row's final-norm hidden state (embeddings on)
 
 
 @dataclass
@@ -42,6 +43,8 @@ class _Slot:
     fed: int = 0  # prompt tokens already decoded
     out: list[int] = field(default_factory=list)
     pending: int | None = None  # sampled token not yet decoded
+    final: bool = False  # answer complete; its last token is decoded once more for its hidden state
+    hidden: list = field(default_factory=list)  # [n_embd] float32 rows, in position order
 
     @property
     def n_past(self) -> int:
@@ -61,8 +64,9 @@ class BatchGenerator:
         try:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
-                                      n_threads=options.n_threads or default_threads(), embeddings=False,
+                                      n_threads=options.n_threads or default_threads(), embeddings=options.hidden,
                                       n_seq_max=options.n_seq)
+            self.n_embd = C.llama_model_n_embd(self._model.ptr)
             self._batch = BatchHandle(options.max_rows, n_seq_max=1)
         except BaseException:
             self.close()
@@ -83,8 +87,11 @@ class BatchGenerator:
         return bool(C.llama_vocab_is_eog(self._model.vocab, token))
 
     def generate(self, prompts: Sequence[tuple[int, list[int]]],
-                 on_tokens: Callable[[int], None] | None = None) -> Iterator[tuple[int, list[int]]]:
-        """prompts: (key, ids) pairs; yields (key, answer ids) as each finishes (EOG token included).
+                 on_tokens: Callable[[int], None] | None = None
+                 ) -> Iterator[tuple[int, list[int], np.ndarray | None]]:
+        """prompts: (key, ids) pairs; yields (key, answer ids, hidden) as each finishes (EOG token included).
+
+        ``hidden`` is ``[len(ids) + len(answer), n_embd] float32`` with ``options.hidden``, else None.
 
         ``on_tokens(n)`` is called after every decode with the rows it processed (for progress bars).
         """
@@ -107,20 +114,34 @@ class BatchGenerator:
             _ffi.check_decode(C.llama_decode(self._ctx.ptr, self._batch.raw))
             if on_tokens is not None:
                 on_tokens(len(rows))
-            n_out = sum(1 for _, wants in rows if wants)
+            every_row = o.hidden  # with embeddings on, llama.cpp outputs every row
+            n_out = len(rows) if every_row else sum(1 for _, wants in rows if wants)
             logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n_out, self.n_vocab))
+            if every_row:
+                hidden = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n_out, self.n_embd))
+                for r, (s, _) in enumerate(rows):
+                    slots[s].hidden.append(hidden[r].copy())
             j = 0
-            for s, wants in rows:
+            for r, (s, wants) in enumerate(rows):
+                slot = slots[s]
+                if slot is None:
+                    continue
+                if slot.final:  # its last token's row is decoded now: done
+                    yield slot.key, slot.out, np.stack(slot.hidden)
+                    slots[s] = None
+                    continue
                 if not wants:
                     continue
-                slot = slots[s]
-                tok = self._sample(logits[j], slot.rng)
+                tok = self._sample(logits[r if every_row else j], slot.rng)
                 j += 1
                 slot.out.append(tok)
                 slot.pending = tok
                 if self.is_eog(tok) or len(slot.out) >= o.max_new_tokens:
-                    yield slot.key, slot.out
-                    slots[s] = None
+                    if o.hidden:
+                        slot.final = True
+                    else:
+                        yield slot.key, slot.out, None
+                        slots[s] = None
 
     def _fill_batch(self, slots: list[_Slot | None]) -> list[tuple[int, bool]]:
         """Pack generating slots first (one row each), then prompt chunks; returns (slot, wants logits) per row."""

@@ -104,6 +104,11 @@ def test_regenerate_equals_single_sequence_greedy(model_path, source, tmp_path):
                     break
                 logits = t.verify([answer[-1]])[0][-1]
             assert s.input_ids[n_prompt:].tolist() == answer  # batched generation == one sequence alone
+            t.set_embeddings(True)
+            t.reset()
+            hidden, _ = t.prefill(s.input_ids.tolist())
+            np.testing.assert_array_equal(s.hidden, hidden)  # hidden states taken during generation
+            t.set_embeddings(False)
             assert s.loss_mask[n_prompt:].all() and not s.loss_mask[:n_prompt].any()
     assert m.options["regenerate"] is True
 
