@@ -8,16 +8,20 @@
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from .chat_template import render_chat
-from .config import DenoiseConfig, SpecConfig
+from .config import DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec
 from .errors import ContextFull, HeteroSpecError
 from .records import RunStats
 from .spec.orchestrator import generate_tokens
+from .spec.policy import AutoPolicy, FixedPolicy, Shape
+
+AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 
@@ -60,6 +64,9 @@ class HeteroSpec:
     ) -> None:
         self.target = LlamaTarget(target, TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None))
         self.draft = None
+        self.draft_path = draft
+        self._curve = None  # cost curve for auto sizing, loaded or measured on first use
+        self._auto: dict[tuple, AutoPolicy] = {}  # acceptance statistics persist across calls
         try:
             if draft is not None:
                 self.draft = load_runner(self.target, draft, device=draft_device, dtype=draft_dtype, denoise=denoise)
@@ -98,17 +105,24 @@ class HeteroSpec:
         prompt: str | list[int],
         *,
         max_new_tokens: int = 256,
-        draft_len: int = 3,
+        draft_len: int | str = "auto",
         stop: tuple[str, ...] | list[str] = (),
         stream: bool = False,
+        tree: TreeSpec | None = None,
+        sampling: SamplingConfig | None = None,
+        draft_p_min: float | None = None,
         _templated: bool = False,
     ) -> Completion | TextStream:
-        """Greedy generation; identical output to the target alone, faster when the draft is good.
+        """Generate; greedy output is identical to the target alone, sampled output follows its distribution.
 
-        ``draft_len`` is k, the drafts per round (0 = plain decoding).  With ``stream`` the
-        result is an iterator of text pieces whose ``stats`` fill in as it runs.
+        ``draft_len``: k drafts per round, 0 = plain decoding, ``"auto"`` = sized every round
+        from the machine's cost curve (measured quickly and cached on first use) and the
+        running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
+        depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
+        With ``stream`` the result is an iterator of text pieces whose ``stats`` fill in.
         """
-        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop))
+        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop),
+                         sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min)
         tokens = self._prompt_tokens(prompt, _templated)
         stats = RunStats(prompt_tokens=len(tokens))
         ts = TextStream(iter(()), stats)
@@ -117,6 +131,39 @@ class HeteroSpec:
             return ts
         text = "".join(ts)
         return Completion(text, ts.tokens, stats)
+
+    def _policy(self, cfg: SpecConfig):
+        """None for the plain chain path; a fixed tree; or auto sizing over chains or trees."""
+        if self.draft is None or cfg.draft_len == 0:
+            return None
+        tree = cfg.tree
+        if cfg.draft_len != "auto":
+            return FixedPolicy(Shape(tree.depth, tree.top_k, tree.total_tokens)) if tree else None
+        key = (tree.top_k, tree.total_tokens, tree.depth) if tree else (1, 0, AUTO_MAX_CHAIN)
+        if key not in self._auto:
+            self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2])
+        return self._auto[key]
+
+    def cost_curve(self):
+        """This machine's cost curve for target + draft: the cached calibration, else a quick one now.
+
+        Measuring resets the conversation cache; it happens once per machine, model and draft
+        file (``hetero_spec.calibration`` caches the JSON)."""
+        if self._curve is None:
+            from .calibration import CostCurve, cache_path, load_or_measure, measure, save, timings_count
+
+            path = cache_path(self.target.path, self.draft_path, self.target.n_threads)
+            if path.is_file():
+                self._curve = load_or_measure(self.target, self.draft, self.target.path, self.draft_path, quick=True)
+            else:
+                from tqdm import tqdm
+
+                with tqdm(total=timings_count(True, None, True), desc="calibrating (once)", unit="decode",
+                          leave=False, file=sys.stderr) as bar:
+                    self._curve = measure(self.target, self.draft, quick=True, progress=bar.update,
+                                          model=f"{self.target.path.name} + {Path(self.draft_path).name}")
+                save(self._curve, path)
+        return self._curve
 
     def _prompt_tokens(self, prompt: str | list[int], templated: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -136,7 +183,10 @@ class HeteroSpec:
         stats, target = ts.stats, self.target
         text = TextAssembler(target.piece, cfg.stop)
         t0 = time.perf_counter()
-        steps = generate_tokens(target, self.draft, tokens, max_new_tokens=cfg.max_new_tokens, draft_len=cfg.draft_len)
+        policy = self._policy(cfg)
+        steps = generate_tokens(target, self.draft, tokens, max_new_tokens=cfg.max_new_tokens,
+                                draft_len=1 if cfg.draft_len == "auto" else cfg.draft_len,
+                                sampling=cfg.sampling, policy=policy, p_min=cfg.p_min)
         try:
             for step in steps:
                 if step.round is None and not stats.rounds and not ts.tokens:

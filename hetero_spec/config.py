@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Union
 
 
 class ConfigError(ValueError):
@@ -109,14 +109,71 @@ class DenoiseConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Token selection; temperature 0 means greedy (exact equality with plain decoding)."""
+    """Token selection, with llama.cpp's definitions and defaults (see ``spec/sampling.py``).
+
+    temperature 0 means greedy (exact equality with plain decoding); otherwise the output
+    follows the target's distribution after top-k, top-p, min-p and temperature, and
+    ``seed`` makes a run reproducible.
+    """
 
     temperature: float = 0.0
+    top_k: int = 40  # <= 0: off
+    top_p: float = 0.95  # >= 1: off
+    min_p: float = 0.05  # <= 0: off
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top-p must be in (0, 1], not {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ConfigError(f"min-p must be in [0, 1), not {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+# Deep and narrow by default: on a CPU target verification cost grows with every token
+# (Dovetail), so a dozen tokens in a few branches beat EAGLE's 60-token trees.
+MAX_TREE_TOKENS = 31  # + the root row = 32, the batch-invariant micro-batch
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """EAGLE-2-style dynamic tree: ``top_k`` children per expansion and frontier width,
+    at most ``total_tokens`` drafted nodes over at most ``depth`` levels."""
+
+    total_tokens: int = 12
+    depth: int = 6
+    top_k: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.total_tokens <= MAX_TREE_TOKENS:
+            raise ConfigError(f"tree tokens must be in 1..{MAX_TREE_TOKENS}, not {self.total_tokens}")
+        if not 1 <= self.depth <= MAX_TREE_TOKENS:
+            raise ConfigError(f"tree depth must be in 1..{MAX_TREE_TOKENS}, not {self.depth}")
+        if not 1 <= self.top_k <= 8:
+            raise ConfigError(f"tree top-k must be in 1..8, not {self.top_k}")
+
+
+DraftLen = Union[int, str]  # k, or "auto"
+AUTO_P_MIN = 0.1  # auto sizing's default draft-p-min
+
+
+def parse_draft_len(value: "int | str") -> DraftLen:
+    """``auto`` or an int in 0..32 (the CLI passes strings)."""
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"draft length must be 'auto' or an integer, not {value!r}") from None
+    if not 0 <= int(value) <= 32:
+        raise ConfigError(f"draft length must be in 0..32, not {value}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -124,18 +181,27 @@ class SpecConfig:
     """One generation request."""
 
     max_new_tokens: int = 256
-    draft_len: int = 3  # k draft tokens per round; 0 = plain decoding, no draft at all
+    draft_len: DraftLen = 3  # k draft tokens per round; 0 = plain decoding; "auto" = chosen per round
     stop: tuple[str, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     denoise: DenoiseConfig = field(default_factory=DenoiseConfig)
+    tree: TreeSpec | None = None  # None = chain drafting
+    # Stop drafting when the draft's best probability at the frontier falls below this
+    # (llama.cpp's draft-p-min).  None: AUTO_P_MIN with draft_len "auto", else off.
+    draft_p_min: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be at least 1")
-        if not 0 <= self.draft_len <= 32:
-            raise ConfigError(f"draft length must be in 0..32, not {self.draft_len}")
-        if not self.sampling.greedy:
-            raise ConfigError("only greedy decoding (temperature 0) is supported so far")
+        object.__setattr__(self, "draft_len", parse_draft_len(self.draft_len))
+        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
+            raise ConfigError(f"draft p-min must be in [0, 1), not {self.draft_p_min}")
+
+    @property
+    def p_min(self) -> float:
+        if self.draft_p_min is not None:
+            return self.draft_p_min
+        return AUTO_P_MIN if self.draft_len == "auto" else 0.0
 
     def with_(self, **changes: Any) -> "SpecConfig":
         return replace(self, **changes)

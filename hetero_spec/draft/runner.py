@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import DenoiseConfig
+from ..config import DenoiseConfig, SamplingConfig
+from ..spec.sampling import draw_without_replacement, process_logits
 from ..errors import DraftError
 from .int8 import Int8Linear, int8_available, quantize_linears
 from .model import DraftModel
@@ -63,6 +64,17 @@ def _cpu_has_bf16() -> bool:
 
 
 @dataclass
+class TreeProposal:
+    """A drafted tree, parents first; node 0 is the root (the last accepted token, unknown here)."""
+
+    tokens: np.ndarray  # [n] int64 target ids; tokens[0] = -1 (the caller's root)
+    parents: np.ndarray  # [n] int64; parents[0] = -1
+    q: list  # [n] of processed draft distributions [n_vocab] float64 at nodes with children (sampling), else None
+    n_real: int  # cache cells computed from real target rows; roll back to this after verification
+    depth_forwards: int = 0  # batched draft forwards run for depths >= 2
+
+
+@dataclass
 class DraftCache:
     k: list[torch.Tensor]  # per block [1, n_kv, max_pos, hd]
     v: list[torch.Tensor]
@@ -107,6 +119,7 @@ class DraftRunner:
         self.cfg = model.cfg
         self.denoise = denoise
         self._log_threshold = math.log(denoise.threshold) if denoise.threshold > 0 else None
+        self._d2t = self.model.d2t.cpu().numpy()  # head row -> target id, for host-side bookkeeping
         self.cache = self._new_cache()
         self._zeros = torch.zeros(self.cfg.max_positions, device=self.device)
 
@@ -160,6 +173,136 @@ class DraftRunner:
         return out
 
     @torch.inference_mode()
+    def propose_tree(
+        self,
+        features: np.ndarray,
+        tokens: np.ndarray | list[int],
+        *,
+        top_k: int,
+        total_tokens: int,
+        depth: int,
+        sampling: SamplingConfig | None = None,
+        rng: np.random.Generator | None = None,
+        p_min: float = 0.0,
+    ) -> TreeProposal:
+        """Consume real rows, then grow a tree depth by depth (EAGLE-2 style, one batched forward per depth).
+
+        Each depth ranks the children *slots* of the frontier (slot j of node u scores
+        log-prob(u) + log of u's j-th largest probability), keeps the best ``top_k`` slots
+        and fills them: greedily with the top tokens, or when sampling by drawing that many
+        tokens without replacement from the node's processed distribution q.  Counts are
+        fixed before the draw and nothing drawn is pruned afterwards, which recursive
+        rejection needs to stay lossless.  Drafting stops early when the best probability
+        at the frontier falls below ``p_min`` (llama.cpp's draft-p-min).  ``top_k`` = 1 is a
+        chain.  The tree's cells stay in the cache at slots after ``n_real`` until the
+        caller rolls back.
+        """
+        m = len(tokens)
+        if m == 0 or top_k < 1 or total_tokens < 1:
+            raise DraftError("propose_tree needs at least one real row, top_k >= 1 and total_tokens >= 1")
+        if self.cache.n + m + total_tokens > self.cfg.max_positions:
+            raise DraftError(f"draft context of {self.cfg.max_positions} positions is full")
+        greedy = sampling is None or sampling.greedy
+        if not greedy and rng is None:
+            raise DraftError("sampling proposals need a random generator")
+        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
+        t = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
+        feats = self._forward(f[None], t[None])[0, -1:]  # [1, n_embd]: predicted feature after the root
+        n_real = self.cache.n
+        toks, parents, score, qs = [-1], [-1], [0.0], [None]
+        slot_of: dict[int, int] = {}  # node -> cache slot of its forwarded cell
+        frontier, budget, forwards = [0], total_tokens, 0
+        for d in range(1, depth + 1):
+            local = self._frontier_probs(feats, sampling, greedy)  # [B, n_head] float64
+            top_p, top_i = _topk_rows(local, top_k)  # [B, K] each, probabilities descending
+            if top_p[:, 0].max() < p_min:
+                break
+            new = self._fill_slots(frontier, local, top_p, top_i, min(top_k, budget), greedy, rng, toks, parents, score, qs)
+            budget -= len(new)
+            if budget <= 0 or d == depth or not new:
+                break
+            feats = self._forward_nodes(new, toks, parents, slot_of, n_real, d, feats, frontier)
+            frontier = new
+            forwards += 1
+        return TreeProposal(np.array(toks, dtype=np.int64), np.array(parents, dtype=np.int64), qs, n_real, forwards)
+
+    def _frontier_probs(self, feats: torch.Tensor, sampling: SamplingConfig | None, greedy: bool) -> np.ndarray:
+        """feats [B, n_embd] -> per-row draft distribution over the head rows [B, n_head] float64."""
+        logits = self._head(feats).float()
+        if greedy:  # scores only: the raw distribution ranks the tree
+            return torch.softmax(logits, dim=-1).double().cpu().numpy()
+        rows = logits.cpu().numpy()
+        return np.stack([process_logits(r, sampling) for r in rows])
+
+    def _fill_slots(self, frontier, local, top_p, top_i, n_slots, greedy, rng, toks, parents, score, qs) -> list[int]:
+        """Pick the best ``n_slots`` (node, rank) slots, then fill them; returns the new nodes."""
+        B, K = top_p.shape
+        with np.errstate(divide="ignore"):
+            slot_score = np.array([score[u] for u in frontier])[:, None] + np.log(top_p)  # [B, K]
+        order = np.lexsort((np.tile(np.arange(K), B), -slot_score.ravel()))[:n_slots]
+        order = [o for o in order if np.isfinite(slot_score.ravel()[o])]
+        counts = np.bincount(np.asarray(order, dtype=np.int64) // K, minlength=B)
+        d2t = self._d2t
+        new: list[int] = []
+        for b, u in enumerate(frontier):
+            c = int(counts[b])
+            if c == 0:
+                continue
+            if greedy:
+                picks = top_i[b, :c]
+            else:
+                picks = draw_without_replacement(local[b], c, rng)
+                q = np.zeros(self.cfg.n_vocab, dtype=np.float64)
+                q[d2t] = local[b]
+                qs[u] = q
+            for h in picks:
+                toks.append(int(d2t[int(h)]))
+                parents.append(u)
+                score.append(score[u] + float(np.log(local[b, int(h)])))
+                qs.append(None)
+                new.append(len(toks) - 1)
+        return new
+
+    def _forward_nodes(self, new, toks, parents, slot_of, n_real, d, feats, frontier) -> torch.Tensor:
+        """One batched forward of this depth's nodes with a tree mask; returns their predicted features."""
+        p0, T = self.cache.n, len(new)
+        L = p0 + T
+        row_of = {u: i for i, u in enumerate(frontier)}
+        f_in = torch.stack([feats[row_of[parents[v]]] for v in new])[None]  # [1, T, n_embd]
+        tok_in = torch.as_tensor([toks[v] for v in new], device=self.device)[None]
+        visible = torch.zeros(T, L, dtype=torch.bool, device=self.device)
+        visible[:, :n_real] = True
+        for i, v in enumerate(new):
+            slot_of[v] = p0 + i
+            a = parents[v]
+            while a > 0:
+                visible[i, slot_of[a]] = True
+                a = parents[a]
+            visible[i, p0 + i] = True
+        rope = torch.full((T,), n_real + d - 1, device=self.device, dtype=torch.long)
+        return self._forward_masked(f_in, tok_in, rope, visible)[0]
+
+    def _forward_masked(self, f: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """f [1, T, n_embd], tokens [1, T] at RoPE positions rope [T], cells appended at n..n+T-1;
+        visible [T, n+T] bool says which cells each row attends to -> features [1, T, n_embd]."""
+        model, cache = self.model, self.cache
+        T, p0 = tokens.shape[1], cache.n
+        L = p0 + T
+        x = model.fusion(f, model.embed[tokens])
+        cos, sin = model.rope_cos[rope], model.rope_sin[rope]
+        tree_bias = torch.zeros(T, L, device=self.device).masked_fill_(~visible, float("-inf"))
+        for i, blk in enumerate(model.blocks):
+            q, k, v, log_gate = blk.project(x, cos, sin)
+            cache.k[i][:, :, p0:L] = k
+            cache.v[i][:, :, p0:L] = v
+            if log_gate is not None:
+                cache.log_gate[i][p0:L] = log_gate[0]
+            bias = self._bias(cache.log_gate[i][:L], 1, L, log_gate is not None).view(1, L) + tree_bias
+            x = blk.finish(x, q, cache.k[i][:, :, :L], cache.v[i][:, :, :L], bias[None, None])
+        cache.n = L
+        return model.feature_out(x)
+
+    @torch.inference_mode()
     def prefill(self, features: np.ndarray, tokens: np.ndarray | list[int]) -> None:
         """Consume real rows without proposing (used when a prompt is cached ahead of drafting)."""
         f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
@@ -194,6 +337,15 @@ class DraftRunner:
         if T > 1:
             return (bias + _causal_tail(T, L, self.device))[None, None]
         return bias.view(1, 1, 1, L)
+
+
+def _topk_rows(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """probs [B, H] -> the k largest per row, descending: values [B, k], indices [B, k]."""
+    k = min(k, probs.shape[1])
+    idx = np.argpartition(-probs, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(probs, idx, axis=1)
+    order = np.argsort(-vals, axis=1, kind="stable")
+    return np.take_along_axis(vals, order, axis=1), np.take_along_axis(idx, order, axis=1)
 
 
 def _causal_tail(T: int, L: int, device: torch.device) -> torch.Tensor:

@@ -13,8 +13,12 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from ..config import SamplingConfig
 from ..records import Round
-from .verify import greedy_accept
+from .policy import FixedPolicy, Shape
+from .sampling import process_logits, sample
+from .tree import Tree
+from .verify import greedy_accept, greedy_accept_tree, sample_accept_tree
 
 TOKEN_BYTES = 4  # int32 ids on both sides
 
@@ -28,6 +32,8 @@ class Target(Protocol):
     def prefill(self, tokens: list[int], max_reuse: int | None = None) -> tuple[np.ndarray | None, np.ndarray]: ...
     def verify(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]: ...
     def rollback(self, n_keep: int) -> None: ...
+    def verify_tree(self, tokens: np.ndarray, depths: np.ndarray, seq_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]: ...
+    def keep_branch(self, seq: int, path_tokens: list[int]) -> None: ...
     def kv_pos_max(self) -> int: ...
     def is_eog(self, token: int) -> bool: ...
     def set_embeddings(self, on: bool) -> None: ...
@@ -39,6 +45,9 @@ class Draft(Protocol):
     @property
     def max_positions(self) -> int: ...
     def propose(self, features: np.ndarray, tokens: Sequence[int], k: int) -> list[int]: ...
+    def propose_tree(self, features: np.ndarray, tokens: Sequence[int], *, top_k: int, total_tokens: int,
+                     depth: int, sampling: SamplingConfig | None, rng: np.random.Generator | None,
+                     p_min: float): ...  # -> TreeProposal (tokens, parents, q, n_real)
     def rollback(self, n_keep: int) -> None: ...
 
 
@@ -63,31 +72,131 @@ class KVMismatch(RuntimeError):
     """Internal invariant broken: the caches no longer describe the accepted text."""
 
 
+class Policy(Protocol):
+    def choose(self) -> Shape: ...
+    def observe(self, drafted_depth: int, accepted: int) -> None: ...
+
+
 def generate_tokens(
-    target: Target, draft: Draft | None, prompt: list[int], *, max_new_tokens: int, draft_len: int
+    target: Target,
+    draft: Draft | None,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    draft_len: int,
+    sampling: SamplingConfig | None = None,
+    policy: Policy | None = None,
+    p_min: float = 0.0,
 ) -> Iterator[Step]:
-    """Greedy speculative generation; with ``draft`` None or ``draft_len`` 0, plain decoding."""
-    speculative = draft is not None and draft_len > 0
+    """Speculative generation; with ``draft`` None or ``draft_len`` 0, plain decoding.
+
+    Greedy chains of a fixed ``draft_len`` take the original chain path.  A ``policy``
+    (fixed tree, or auto sizing), sampling (temperature > 0) or ``p_min`` take the tree
+    path, of which a chain is the one-branch case.  With sampling the output follows the
+    target's processed distribution, reproducibly for a given ``sampling.seed``.
+    """
+    sampling = sampling or SamplingConfig()
+    rng = np.random.default_rng(sampling.seed)
+    speculative = draft is not None and (draft_len > 0 or policy is not None)
     target.set_embeddings(speculative)
     hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative else None)
-    x = int(np.argmax(logits))
+    x = _pick(logits, sampling, rng)
     left = max_new_tokens - 1
     stop = _stop_reason(target, x, left)
     yield Step([x], None, stop)
     if stop:
         return
     if not speculative:
-        yield from _plain_rounds(target, x, left)
+        yield from _plain_rounds(target, x, left, sampling, rng)
         return
     keep = len(prompt) - len(hidden)
     draft.rollback(keep)
     pending = _Pending(hidden, list(prompt[keep + 1 :]) + [x])
+    general = policy is not None or not sampling.greedy or p_min > 0
+    if general and policy is None:
+        policy = FixedPolicy(Shape(draft_len))
     while True:
-        step, x, pending = _spec_round(target, draft, x, pending, draft_len, left)
+        if general:
+            step, x, pending = _tree_round(target, draft, x, pending, policy, sampling, rng, p_min, left)
+        else:
+            step, x, pending = _spec_round(target, draft, x, pending, draft_len, left)
         left -= len(step.tokens)
         yield step
         if step.stop_reason:
             return
+
+
+def _pick(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> int:
+    """The target's own token from one row: argmax, or a draw from the processed distribution."""
+    if sampling.greedy:
+        return int(np.argmax(logits))
+    return sample(process_logits(logits, sampling), rng)
+
+
+def _tree_round(
+    target, draft, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
+    rng: np.random.Generator, p_min: float, left: int,
+) -> tuple[Step, int, _Pending]:
+    """draft a tree (a chain is one branch) -> verify it in one decode -> accept -> keep the path."""
+    t0 = time.perf_counter()
+    n0 = target.n_past
+    room_target = target.n_ctx - n0 - 1
+    if room_target < 0:
+        return Step([], None, "context_full"), x, pending
+    shape = policy.choose()
+    room_draft = draft.max_positions - draft.n - len(pending.next_tokens)
+    depth = max(0, min(shape.depth, left - 1))
+    total = max(0, min(shape.tokens, room_target, room_draft))
+    m = len(pending.next_tokens)
+    if depth == 0 or total == 0:
+        return _undrafted_round(target, x, pending, sampling, rng, left, t0)
+    td = time.perf_counter()
+    prop = draft.propose_tree(pending.features, pending.next_tokens, top_k=shape.width, total_tokens=total,
+                              depth=depth, sampling=sampling, rng=rng, p_min=p_min)
+    draft_s = time.perf_counter() - td
+    tokens = prop.tokens.copy()
+    tokens[0] = x
+    tree = Tree(tokens, prop.parents)
+    tv = time.perf_counter()
+    logits, hidden = target.verify_tree(tree.tokens, tree.depth, tree.seq_ids)
+    verify_s = time.perf_counter() - tv
+    if sampling.greedy:
+        path, nxt = greedy_accept_tree(tree.children, tree.tokens, logits.argmax(axis=1))
+    else:
+        path, nxt = sample_accept_tree(
+            tree.children, tree.tokens, lambda i: process_logits(logits[i], sampling), lambda i: prop.q[i], rng
+        )
+    rows = [0, *path]
+    target.keep_branch(tree.seq_of(rows[-1]), [int(t) for t in tree.tokens[rows]])
+    draft.rollback(prop.n_real)
+    accepted = [int(t) for t in tree.tokens[path]] + [nxt]
+    new_pending = _Pending(hidden[rows].copy(), accepted)
+    _check_kv(target, n0 + len(rows))
+    policy.observe(max(1, int(tree.depth.max())), len(path))  # a p-min stop counts as a rejection
+    emitted, stop = _truncate_at_stop(target, accepted, left)
+    rnd = Round(
+        drafted=tree.n - 1, accepted=len(path), emitted=len(emitted), draft_s=draft_s, verify_s=verify_s,
+        overhead_s=time.perf_counter() - t0 - draft_s - verify_s,
+        bytes_to_target=TOKEN_BYTES * tree.n,
+        bytes_to_draft=m * (pending.features.shape[1] * pending.features.itemsize + TOKEN_BYTES),
+    )
+    return Step(emitted, rnd, stop), nxt, new_pending
+
+
+def _undrafted_round(target, x: int, pending: _Pending, sampling: SamplingConfig, rng: np.random.Generator,
+                     left: int, t0: float) -> tuple[Step, int, _Pending]:
+    """Depth 0 inside the speculative loop: one target row; the draft catches up on it later."""
+    n0 = target.n_past
+    tv = time.perf_counter()
+    logits, hidden = target.verify([x])
+    verify_s = time.perf_counter() - tv
+    nxt = _pick(logits[0], sampling, rng)
+    new_pending = _Pending(np.concatenate((pending.features, hidden[:1])), pending.next_tokens + [nxt])
+    _check_kv(target, n0 + 1)
+    emitted, stop = _truncate_at_stop(target, [nxt], left)
+    rnd = Round(drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0, verify_s=verify_s,
+                overhead_s=time.perf_counter() - t0 - verify_s, bytes_to_target=TOKEN_BYTES, bytes_to_draft=0)
+    return Step(emitted, rnd, stop), nxt, new_pending
 
 
 def _spec_round(
@@ -134,8 +243,11 @@ def _spec_round(
     return Step(emitted, rnd, stop), nxt, new_pending
 
 
-def _plain_rounds(target: Target, x: int, left: int) -> Iterator[Step]:
-    """Plain greedy decoding through the same target: one token per decode, last-row logits only."""
+def _plain_rounds(
+    target: Target, x: int, left: int, sampling: SamplingConfig | None = None, rng: np.random.Generator | None = None
+) -> Iterator[Step]:
+    """Plain decoding through the same target: one token per decode, last-row logits only."""
+    sampling = sampling or SamplingConfig()
     while True:
         t0 = time.perf_counter()
         if target.n_past + 1 > target.n_ctx:
@@ -143,7 +255,7 @@ def _plain_rounds(target: Target, x: int, left: int) -> Iterator[Step]:
             return
         logits, _ = target.verify([x])
         verify_s = time.perf_counter() - t0
-        x = int(logits[-1].argmax())
+        x = int(logits[-1].argmax()) if sampling.greedy else _pick(logits[-1], sampling, rng)
         left -= 1
         stop = _stop_reason(target, x, left)
         rnd = Round(

@@ -106,6 +106,7 @@ class ContextHandle:
         embeddings: bool,
         n_seq_max: int = 1,
         kv_unified: bool = False,
+        flash_attn: int | None = None,
     ) -> None:
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -117,6 +118,8 @@ class ContextHandle:
         params.embeddings = embeddings
         params.pooling_type = C.LLAMA_POOLING_TYPE_NONE
         params.kv_unified = kv_unified
+        if flash_attn is not None:  # -1 auto, 0 off, 1 on (llama_flash_attn_type)
+            params.flash_attn_type = flash_attn
         params.no_perf = True
         self.ptr = C.llama_init_from_model(model.ptr, params)
         if not self.ptr:

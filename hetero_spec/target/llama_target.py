@@ -36,6 +36,7 @@ def default_threads() -> int:
 # so prefix reuse equals a fresh prefill and a k+1-row verification equals k+1
 # single-token decodes.  Chunking the prefill at 32 costs about 12% of prefill speed.
 BATCH_INVARIANT_ROWS = 32
+TREE_SEQ_MAX = 32  # leaves of a tree (at most 31 drafted nodes) + spare
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,14 @@ class TargetOptions:
     n_batch: int = BATCH_INVARIANT_ROWS
     n_threads: int = 0  # 0 = all physical cores
     embeddings: bool = True  # needed to feed a draft; plain decoding turns it off
+    # Tree verification gives every leaf its own sequence in one batch, which llama.cpp
+    # accepts only over a unified KV cache (coupled sequences).  Measured: a chain over
+    # this context decodes bit-identically to the single-sequence one.
+    n_seq_max: int = TREE_SEQ_MAX
+    kv_unified: bool = True
+    flash_attn: int = -1  # llama_flash_attn_type: -1 auto (on for the CPU), 0 off, 1 on
+    # KV cells beyond n_ctx for the rejected branches of trees (see ``keep_branch``).
+    tree_spare_cells: int = 1024
 
 
 class LlamaTarget:
@@ -75,20 +84,24 @@ class LlamaTarget:
             n_threads = options.n_threads or default_threads()
             self._ctx = ContextHandle(
                 self._model,
-                n_ctx=options.n_ctx,
+                n_ctx=options.n_ctx + options.tree_spare_cells,
                 n_batch=options.n_batch,
                 n_threads=n_threads,
                 embeddings=options.embeddings,
+                n_seq_max=options.n_seq_max,
+                kv_unified=options.kv_unified,
+                flash_attn=options.flash_attn,
             )
             # llama.cpp may round the context up; the limit callers asked for is what we enforce
             self.n_ctx = min(options.n_ctx, C.llama_n_ctx(self._ctx.ptr))
             self.n_threads = n_threads
-            self._batch = BatchHandle(options.n_batch)
+            self._batch = BatchHandle(options.n_batch, options.n_seq_max)
         except BaseException:
             self.close()
             raise
         self.embeddings = options.embeddings
         self.tokens: list[int] = []  # the token ids whose cells are in the KV cache, in order
+        self.trash_cells = 0  # rejected tree cells parked in TRASH_SEQ
         self._pieces: dict[int, bytes] = {}
         self._fingerprint: TargetFingerprint | None = None
 
@@ -200,6 +213,8 @@ class LlamaTarget:
             raise TargetError("empty prompt")
         if len(tokens) > self.n_ctx:
             raise ContextFull(f"prompt of {len(tokens)} tokens exceeds the context of {self.n_ctx}")
+        if self.trash_cells:  # parked tree cells sit between cached ones: reuse would reorder slots
+            self.reset()
         keep = max(0, min(_common_prefix(self.tokens, tokens), len(tokens)) - 1)
         if max_reuse is not None:
             keep = min(keep, max_reuse)
@@ -236,6 +251,94 @@ class LlamaTarget:
             raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep}")
         del self.tokens[n_keep:]
 
+    def verify_tree(
+        self, tokens: np.ndarray, depths: np.ndarray, seq_ids: list[list[int]]
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Decode a whole draft tree in ONE ``llama_decode``.
+
+        tokens [n] (row 0 = the last accepted token, the root), depths [n] (0 for the root),
+        seq_ids[i]: the leaf sequences through node i.  Before the decode the cached prefix is
+        shared into every leaf sequence (``seq_cp``: a tag on the cells, no copy), so each
+        sequence is prefix + one root-to-leaf path and llama.cpp's per-sequence causal mask
+        is the tree's ancestor mask.  Returns views like ``verify``; follow with
+        ``keep_branch``.
+        """
+        n = len(tokens)
+        b = self._batch
+        n_seqs = 1 + max(max(ids) for ids in seq_ids)
+        if n > b.capacity:
+            raise TargetError(f"tree of {n} rows exceeds n_batch={b.capacity}")
+        if n_seqs > self.trash_seq:
+            raise TargetError(f"tree with {n_seqs} leaves exceeds n_seq_max - 1 = {self.trash_seq}")
+        if self.n_past + n > self.n_ctx:
+            raise ContextFull(f"context of {self.n_ctx} tokens is full")
+        if not self.embeddings:
+            raise TargetError("tree verification needs embeddings on (every row an output)")
+        mem = self._ctx.memory
+        if self.trash_cells + n > self.options.tree_spare_cells:
+            # Out of spare cells: free the parked ones.  Later tokens then fill those holes
+            # out of position order, so logits may drift from plain decoding in the last bits.
+            C.llama_memory_seq_rm(mem, self.trash_seq, -1, -1)
+            self.trash_cells = 0
+        for s in range(1, n_seqs):
+            C.llama_memory_seq_cp(mem, 0, s, -1, -1)
+        start = self.n_past
+        b.token[:n] = tokens
+        b.pos[:n] = start + np.asarray(depths, dtype=np.int32)
+        b.output[:n] = 1
+        for i, ids in enumerate(seq_ids):
+            b.seq_ids[i][: len(ids)] = ids
+            b.n_seq_id[i] = len(ids)
+        b.raw.n_tokens = n
+        try:
+            _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
+        finally:  # the chain path expects every row in sequence 0 alone
+            for i in range(n):
+                b.seq_ids[i][0] = 0
+            b.n_seq_id[:n] = 1
+        self._tree_seqs, self._tree_rows = n_seqs, n
+        logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n, self.n_vocab))
+        hidden = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))
+        return logits, hidden
+
+    @property
+    def trash_seq(self) -> int:
+        return self.options.n_seq_max - 1
+
+    def keep_branch(self, seq: int, path_tokens: list[int]) -> None:
+        """Keep the accepted path of the last tree (root + accepted nodes) as sequence 0.
+
+        ``seq`` is a leaf sequence through the last accepted node; ``path_tokens`` the tokens
+        of root..last accepted node.  Memory API only, never a second decode.
+
+        Rejected cells are not freed but parked in ``trash_seq``, which no row attends to.
+        Freed cells would be holes that the next decode fills, putting newer tokens in
+        slots before older ones; the CPU attention kernels sum over cells in slot order
+        (flash attention in f16), so logits would then differ from plain decoding by up to
+        1.5 (measured).  Parked cells keep every sequence in slot order = position order,
+        and flash attention skips masked cells, so they cost little.
+        """
+        mem = self._ctx.memory
+        n0 = self.n_past
+        n_keep = n0 + len(path_tokens)
+        n_seqs = self._tree_seqs
+        for s in range(n_seqs):  # every tree cell (and the prefix) also in the trash sequence
+            C.llama_memory_seq_cp(mem, s, self.trash_seq, n0, -1)
+        if seq != 0:
+            C.llama_memory_seq_rm(mem, 0, n0, -1)
+            C.llama_memory_seq_cp(mem, seq, 0, n0, n_keep)
+        else:
+            C.llama_memory_seq_rm(mem, 0, n_keep, -1)
+        for s in range(1, n_seqs):
+            C.llama_memory_seq_rm(mem, s, -1, -1)
+        self.trash_cells += self._tree_rows - len(path_tokens)
+        self.tokens.extend(int(t) for t in path_tokens)
+        if self.kv_pos_max() != n_keep - 1:
+            raise TargetError(f"after keeping a branch the KV ends at {self.kv_pos_max()}, expected {n_keep - 1}")
+
+    def seq_pos_max(self, seq: int) -> int:
+        return C.llama_memory_seq_pos_max(self._ctx.memory, seq)
+
     def kv_pos_max(self) -> int:
         """Largest position held by sequence 0 in llama.cpp (-1 when empty): the truth to assert against."""
         return C.llama_memory_seq_pos_max(self._ctx.memory, 0)
@@ -243,6 +346,7 @@ class LlamaTarget:
     def reset(self) -> None:
         C.llama_memory_clear(self._ctx.memory, True)
         self.tokens.clear()
+        self.trash_cells = 0
 
     def _decode(self, tokens) -> tuple[np.ndarray, np.ndarray | None]:
         n = len(tokens)

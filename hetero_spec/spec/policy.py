@@ -1,0 +1,136 @@
+"""How much to draft each round: a fixed size, or ``auto`` from the cost curve and acceptance.
+
+Auto sizing maximises expected emitted tokens per millisecond::
+
+    E(D) = 1 + sum_{i<=D} prod_{j<=i} alpha_j            (accepted drafts + the target's own token)
+    T(D) = t_verify(rows(D)) + draft time of D depths     (from the calibrated cost curve)
+
+over the drafting depth D (a chain's k, or a tree's depth with its width fixed), where
+alpha_j is the running, exponentially decayed rate at which depth j is accepted once
+depth j-1 was.  D = 0 is a plain round through the same loop; when speculation cannot pay
+(an untrained draft: alpha ~ 0) auto settles there and only probes with one cheap drafted
+round every ``probe_every`` rounds, so it stays close to plain speed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Curve(Protocol):
+    """What the policy needs of ``hetero_spec.calibration.CostCurve``."""
+
+    draft_step_ms: float
+
+    def verify_time_ms(self, n: int) -> float: ...
+    def draft_rows_time_ms(self, n: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One round's drafting: ``depth`` levels, ``width`` nodes per level, at most ``total`` nodes."""
+
+    depth: int
+    width: int = 1
+    total: int = 0  # 0 = depth * width
+
+    @property
+    def tokens(self) -> int:
+        full = self.depth * self.width
+        return min(full, self.total) if self.total else full
+
+
+class FixedPolicy:
+    """The same shape every round (``--draft-len N`` or a fixed tree)."""
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+
+    def choose(self) -> Shape:
+        return self.shape
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        pass
+
+
+@dataclass
+class AcceptanceStats:
+    """Per-depth acceptance with a Beta prior and exponential forgetting (recent text matters most)."""
+
+    max_depth: int
+    decay: float = 0.95
+    prior: tuple[float, float] = (1.0, 1.0)  # pseudo-counts (accepted, rejected): alpha starts at 0.5
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reached = [0.0] * (self.max_depth + 1)
+        self.accepted = [0.0] * (self.max_depth + 1)
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        """One verified round: depths 1..min(accepted + 1, drafted_depth) were reached."""
+        for d in range(1, self.max_depth + 1):
+            self.reached[d] *= self.decay
+            self.accepted[d] *= self.decay
+        for d in range(1, min(accepted + 1, drafted_depth) + 1):
+            self.reached[d] += 1.0
+            self.accepted[d] += 1.0 if d <= accepted else 0.0
+
+    def alpha(self, d: int) -> float:
+        a0, b0 = self.prior
+        return (self.accepted[d] + a0) / (self.reached[d] + a0 + b0)
+
+
+def expected_emitted(alphas: list[float]) -> float:
+    """1 + sum_i prod_{j<=i} alpha_j (alphas[0] is depth 1)."""
+    total, run = 1.0, 1.0
+    for a in alphas:
+        run *= a
+        total += run
+    return total
+
+
+def round_cost_ms(curve: Curve, shape: Shape) -> float:
+    """Verification of the root plus the drafted tokens, plus one draft forward per depth."""
+    if shape.depth == 0:
+        return curve.verify_time_ms(1)
+    draft = curve.draft_step_ms + sum(curve.draft_rows_time_ms(shape.width) for _ in range(shape.depth - 1))
+    return curve.verify_time_ms(1 + shape.tokens) + draft
+
+
+def best_shape(curve: Curve, alphas: list[float], width: int, total: int, max_depth: int) -> tuple[Shape, float]:
+    """argmax over depth 0..max_depth of E / T; returns the shape and its tokens per ms."""
+    best, best_rate = Shape(0, width, total), 1.0 / round_cost_ms(curve, Shape(0))
+    for d in range(1, max_depth + 1):
+        shape = Shape(d, width, total)
+        rate = expected_emitted(alphas[:d]) / round_cost_ms(curve, shape)
+        if rate > best_rate:
+            best, best_rate = shape, rate
+    return best, best_rate
+
+
+class AutoPolicy:
+    """Chooses the depth each round from the cost curve and the running acceptance statistics."""
+
+    def __init__(self, curve: Curve, *, width: int = 1, total: int = 0, max_depth: int = 8,
+                 probe_every: int = 16, decay: float = 0.95) -> None:
+        self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
+        self.stats = AcceptanceStats(max_depth, decay=decay)
+        self.probe_every = probe_every
+        self._plain_streak = 0
+
+    def choose(self) -> Shape:
+        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
+        shape, _ = best_shape(self.curve, alphas, self.width, self.total, self.max_depth)
+        if shape.depth == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.probe_every:  # keep learning whether the draft got useful
+                self._plain_streak = 0
+                return Shape(1, 1)
+            return shape
+        self._plain_streak = 0
+        return shape
+
+    def observe(self, drafted_depth: int, accepted: int) -> None:
+        if drafted_depth > 0:
+            self.stats.observe(drafted_depth, accepted)

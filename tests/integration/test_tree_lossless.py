@@ -1,0 +1,177 @@
+"""Trees on the real GGUF: greedy tree output equals plain decoding; kept branches equal fresh decodes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from hetero_spec.config import TreeSpec
+from hetero_spec.spec.orchestrator import generate_tokens
+from hetero_spec.spec.policy import FixedPolicy, Shape
+from hetero_spec.spec.tree import Tree
+from tests.conftest import bench_prompts
+
+from .oracle_draft import OracleDraft
+
+N_NEW = 32
+PROMPTS = bench_prompts("mt_bench", 1) + bench_prompts("humaneval", 1) + bench_prompts("gsm8k", 1)
+
+
+@dataclass
+class _Proposal:
+    tokens: np.ndarray
+    parents: np.ndarray
+    q: list
+    n_real: int
+
+
+class OracleTreeDraft(OracleDraft):
+    """OracleDraft grown into trees: at every depth, child 0 continues the reference (corrupted
+    with ``error_rate``) and the other ``top_k - 1`` children are wrong siblings, one of which
+    holds the right token whenever child 0 was corrupted, so acceptance runs through every branch."""
+
+    def propose_tree(self, features, tokens, *, top_k, total_tokens, depth, sampling=None, rng=None, p_min=0.0):
+        assert features.shape[0] == len(tokens) and features.dtype == np.float32
+        self.features_seen += features.shape[0]
+        self.cell_tokens.extend(int(t) for t in tokens)
+        n_real = self.n
+        toks, parents, node, budget = [-1], [-1], 0, total_tokens
+        for d in range(depth):
+            ref_i = n_real + 1 + d
+            right = self.reference[ref_i] if ref_i < len(self.reference) else 0
+            kids = [(right + 1 + j) % 49152 for j in range(top_k)]
+            if self.rng.random() >= self.error_rate:
+                kids[0] = right
+            elif top_k > 1 and self.rng.random() < 0.5:
+                kids[int(self.rng.integers(1, top_k))] = right
+            first = len(toks)
+            for t in kids[:budget]:
+                toks.append(t)
+                parents.append(node)
+            budget -= min(top_k, budget)
+            if budget <= 0:
+                break
+            node = first + next((j for j, t in enumerate(kids) if t == right), 0)
+        return _Proposal(np.array(toks), np.array(parents), [None] * len(toks), n_real)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(hs) -> dict[str, list[int]]:
+    hs.reset()
+    return {p: hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=0).tokens for p in PROMPTS}
+
+
+@pytest.mark.parametrize("width, total, depth", [(1, 4, 4), (3, 12, 5)])
+def test_oracle_tree_output_equals_plain(hs, plain_outputs, width, total, depth):
+    """Rounds that accept every depth along every branch, on the real target: still the plain output."""
+    seen = set()
+    for i, p in enumerate(PROMPTS):
+        prompt = hs.target.tokenize(hs.render([{"role": "user", "content": p}]), add_special=False)
+        draft = OracleTreeDraft(prompt + plain_outputs[p], error_rate=0.3, seed=i)
+        hs.target.reset()
+        steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=N_NEW, draft_len=depth,
+                                     policy=FixedPolicy(Shape(depth, width, total))))
+        assert [t for s in steps for t in s.tokens] == plain_outputs[p], f"diverged on {p[:50]!r}"
+        seen |= {s.round.accepted for s in steps if s.round}
+    assert len(seen) >= 3, f"acceptance lengths exercised: {seen}"
+    assert width == 1 or any(s.round.drafted > depth for s in steps if s.round)  # branches were drafted
+
+
+@pytest.mark.parametrize("width, total", [(4, 16)])
+def test_untrained_draft_tree_output_equals_plain(hs, plain_outputs, width, total):
+    for p in PROMPTS[:2]:
+        out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=6,
+                      tree=TreeSpec(top_k=width, total_tokens=total, depth=6))
+        assert out.tokens == plain_outputs[p]
+        assert max(r.drafted for r in out.stats.rounds) > width  # real trees were drafted
+
+
+def test_auto_output_equals_plain(hs, plain_outputs):
+    p = PROMPTS[0]
+    assert hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len="auto").tokens == plain_outputs[p]
+
+
+#        0 (root)
+#       / \\
+#      1   2
+#     / \\   \\
+#    3   4   5
+#    |
+#    6
+PARENTS = np.array([-1, 0, 0, 1, 1, 2, 3])
+
+
+def test_tree_rows_equal_chain_decodes_and_kept_branches_equal_fresh_decodes(hs):
+    """Verify a hand-built tree in one decode: every row equals decoding its path as a chain; after
+    keeping any node's path, the next decode's logits equal those after a fresh decode of that path."""
+    t = hs.target
+    prompt = t.tokenize(bench_prompts("alpaca", 3)[2])
+    t.set_embeddings(True)
+    words = t.tokenize(" the cat sat on a warm mat", add_special=False)
+    tree = Tree(np.array([prompt[-1], *words[:6]]), PARENTS)
+    probe = t.tokenize(" and then", add_special=False)
+    t.reset()
+    t.prefill(prompt[:-1])
+    tree_logits = t.verify_tree(tree.tokens, tree.depth, tree.seq_ids)[0].copy()
+    for node in range(tree.n):
+        path = tree.path_to(node)
+        t.reset()
+        t.prefill(prompt[:-1])
+        chain = t.verify(tree.tokens[path])[0].copy()
+        np.testing.assert_array_equal(tree_logits[path], chain)
+        fresh_next = t.verify(probe)[0].copy()
+        t.reset()
+        t.prefill(prompt[:-1])
+        t.verify_tree(tree.tokens, tree.depth, tree.seq_ids)
+        t.keep_branch(tree.seq_of(node), [int(x) for x in tree.tokens[path]])
+        assert t.n_past == len(prompt) - 1 + len(path) == t.kv_pos_max() + 1
+        assert all(t.seq_pos_max(s) == -1 for s in range(1, len(tree.leaves)))  # other branches gone
+        np.testing.assert_array_equal(t.verify(probe)[0], fresh_next)
+
+
+@pytest.mark.parametrize("rule, should_pass", [("correct", True), ("broken", False)])
+def test_sampling_through_a_real_tree_follows_the_targets_distribution(hs, rule, should_pass):
+    """Real GGUF: one tree verification gives p at the root; the draft's q is the target's own
+    distribution flattened (temperature 3), so drafts are often but not always accepted.  The
+    tokens speculation emits must follow processed p (chi-square p > 0.01); a rule that
+    resamples from p itself after a rejection must fail the same test."""
+    from hetero_spec.config import SamplingConfig
+    from hetero_spec.spec.sampling import draw_without_replacement, process_logits
+    from hetero_spec.spec.verify import residual, sample_accept_tree
+    from tests.stats import chi2_pvalue
+
+    t = hs.target
+    prompt = t.tokenize("Once upon a time, in a small village by the sea, there lived a")
+    cfg = SamplingConfig(temperature=0.8, top_k=6, top_p=1.0, min_p=0.0)
+    t.set_embeddings(True)
+    t.reset()
+    t.prefill(prompt[:-1])
+    rng = np.random.default_rng(7)
+    logits = t.verify_tree(np.array([prompt[-1]]), np.array([0]), [[0]])[0][0].copy()
+    t.keep_branch(0, [prompt[-1]])
+    p = process_logits(logits, cfg)
+    q = process_logits(logits, SamplingConfig(temperature=3.0, top_k=6, top_p=1.0, min_p=0.0))
+    order = np.argsort(-p)[:6]
+    q[order] = q[order][::-1]  # the draft prefers what the target finds least likely
+    counts = np.zeros_like(p)
+    for _ in range(6000):
+        kids = draw_without_replacement(q, 2, rng)
+        tree = Tree(np.array([prompt[-1], *kids]), np.array([-1, 0, 0]))
+        _, tok = sample_accept_tree(tree.children, tree.tokens, lambda n: p, lambda n: q, rng,
+                                    residual if rule == "correct" else (lambda a, b: a))
+        counts[tok] += 1
+    pval = chi2_pvalue(counts, p)
+    assert (pval > 0.01) == should_pass, pval
+
+
+def test_sampled_generation_is_reproducible_and_tree_paths_run(hs):
+    from hetero_spec.config import SamplingConfig
+
+    msgs = [{"role": "user", "content": "Tell me about the moon."}]
+    a = hs.chat(msgs, max_new_tokens=20, draft_len=3, sampling=SamplingConfig(temperature=0.8, seed=1))
+    b = hs.chat(msgs, max_new_tokens=20, draft_len=3, sampling=SamplingConfig(temperature=0.8, seed=1))
+    c = hs.chat(msgs, max_new_tokens=20, draft_len=3, sampling=SamplingConfig(temperature=0.8, seed=2),
+                tree=TreeSpec(total_tokens=8, depth=4, top_k=2))
+    assert a.tokens == b.tokens and len(a.tokens) == 20
+    assert c.tokens != a.tokens and c.stats.rounds and max(r.drafted for r in c.stats.rounds) > 2

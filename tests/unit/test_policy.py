@@ -1,0 +1,59 @@
+"""Auto sizing on synthetic cost curves: it picks the sweep's optimum, and plain decoding when drafts fail."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_spec.calibration import CostCurve
+from hetero_spec.spec.policy import AutoPolicy, Shape, best_shape, expected_emitted, round_cost_ms
+
+
+def curve(t1: float, slope: float, step: float) -> CostCurve:
+    return CostCurve({n: t1 + slope * (n - 1) for n in range(1, 33)}, step, {n: step * (1 + 0.1 * n) for n in range(1, 33)})
+
+
+def simulated_rate(c: CostCurve, alpha: float, shape: Shape) -> float:
+    """Tokens per ms of a fixed shape if each depth is accepted with probability alpha."""
+    return expected_emitted([alpha] * shape.depth) / round_cost_ms(c, shape)
+
+
+@pytest.mark.parametrize("t1, slope, step, alpha", [
+    (10.0, 1.5, 0.9, 0.8),  # cheap verification rows (a big target): long chains
+    (10.0, 4.0, 0.9, 0.6),  # steep CPU curve (SmolLM2-like): short chains
+    (10.0, 1.0, 3.0, 0.9),  # slow draft
+    (5.0, 6.0, 0.5, 0.3),
+])
+def test_auto_picks_the_sweeps_optimum(t1, slope, step, alpha):
+    c = curve(t1, slope, step)
+    sweep = {k: simulated_rate(c, alpha, Shape(k)) for k in range(0, 9)}
+    best_k = max(sweep, key=sweep.get)
+    policy = AutoPolicy(c, max_depth=8, decay=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(3000):  # acceptance statistics from rounds drafted at depth 8
+        a = 0
+        while a < 8 and rng.random() < alpha:
+            a += 1
+        policy.observe(8, a)
+    # exact acceptance rates: exactly the sweep's optimum
+    assert best_shape(c, [alpha] * 8, 1, 0, 8)[0].depth == best_k
+    # rates estimated from simulated rounds: the optimum, or a depth within 2% of its speed
+    chosen = policy.choose().depth
+    assert sweep[chosen] >= 0.98 * sweep[best_k]
+    assert abs(chosen - best_k) <= 1
+
+
+def test_auto_falls_back_to_plain_rounds_when_drafts_are_rejected():
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8, probe_every=10)
+    for _ in range(30):
+        policy.observe(policy.choose().depth or 1, 0)
+    depths = [policy.choose().depth for _ in range(40)]
+    assert depths.count(0) >= 36 and 0 < depths.count(1) <= 4  # plain rounds, with rare probes
+
+
+def test_tree_width_costs_more_rows():
+    c = curve(10.0, 3.0, 0.9)
+    assert round_cost_ms(c, Shape(3, 2)) > round_cost_ms(c, Shape(3, 1))
+    assert Shape(6, 2, 12).tokens == 12 and Shape(6, 3, 12).tokens == 12 and Shape(2, 2).tokens == 4
+    shape, _ = best_shape(c, [0.9] * 8, 2, 12, 8)
+    assert shape.width == 2 and shape.depth >= 1

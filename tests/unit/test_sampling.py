@@ -1,0 +1,115 @@
+"""Speculative sampling reproduces the target's processed distribution; a broken rule is caught."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_spec.config import SamplingConfig
+from hetero_spec.spec.sampling import draw_without_replacement, process_logits
+from hetero_spec.spec.tree import Tree
+from hetero_spec.spec.verify import reject_siblings, residual, sample_accept_tree
+from tests.stats import chi2_pvalue
+
+V = 8
+N_DRAWS = 20000
+
+
+def dist(seed: int, sharp: float = 1.5) -> np.ndarray:
+    x = np.random.default_rng(seed).normal(size=V) * sharp
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def broken(p, q):  # the classic mistake: resample from p itself after a rejection
+    return p
+
+
+@pytest.mark.parametrize("m", [1, 3])  # 1 = chain (Leviathan), 3 = siblings without replacement
+def test_one_node_output_follows_p(m):
+    p, q = dist(1), dist(2)
+    rng = np.random.default_rng(0)
+    counts = np.zeros(V)
+    for _ in range(N_DRAWS):
+        kids = draw_without_replacement(q, m, rng)
+        _, tok = reject_siblings(p, q, list(kids), rng)
+        counts[tok] += 1
+    assert chi2_pvalue(counts, p) > 0.01
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_broken_residual_fails_the_same_test(m):
+    p, q = dist(1), dist(2)
+    rng = np.random.default_rng(0)
+    counts = np.zeros(V)
+    for _ in range(N_DRAWS):
+        kids = draw_without_replacement(q, m, rng)
+        _, tok = reject_siblings(p, q, list(kids), rng, residual_fn=broken)
+        counts[tok] += 1
+    assert chi2_pvalue(counts, p) < 0.01
+
+
+def two_level_joint(residual_fn, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Joint law of the first two output tokens through a 2-level tree (2 children, each with 2)."""
+    p1, q1 = dist(10), dist(11)
+    p2 = {t: dist(100 + t) for t in range(V)}  # target given the first token
+    q2 = {t: dist(200 + t) for t in range(V)}
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V))
+    for _ in range(N_DRAWS):
+        first = draw_without_replacement(q1, 2, rng)
+        tokens, parents = [0, *first], [-1, 0, 0]
+        for i, t in enumerate(first):
+            for c in draw_without_replacement(q2[int(t)], 2, rng):
+                tokens.append(int(c))
+                parents.append(1 + i)
+        tree = Tree(np.array(tokens), np.array(parents))
+        p_at = lambda n: p1 if n == 0 else (p2[int(tree.tokens[n])] if tree.depth[n] == 1 else dist(999))
+        q_at = lambda n: q1 if n == 0 else q2[int(tree.tokens[n])]
+        path, nxt = sample_accept_tree(tree.children, tree.tokens, p_at, q_at, rng, residual_fn)
+        out = [int(tree.tokens[n]) for n in path] + [nxt]
+        if len(out) == 1:  # next round would start fresh from p2 given the first token
+            out.append(int(rng.choice(V, p=p2[out[0]])))
+        counts[out[0], out[1]] += 1
+    expected = np.stack([p1[a] * p2[a] for a in range(V)])
+    return counts.ravel(), expected.ravel()
+
+
+def test_tree_joint_of_two_tokens_follows_p():
+    counts, expected = two_level_joint(residual)
+    assert chi2_pvalue(counts, expected) > 0.01
+
+
+def test_tree_with_broken_residual_fails():
+    counts, expected = two_level_joint(broken)
+    assert chi2_pvalue(counts, expected) < 0.01
+
+
+def test_draw_without_replacement_is_sequential_sampling():
+    """The first draw follows q; the second follows q without the first."""
+    q = dist(3)
+    rng = np.random.default_rng(1)
+    firsts, seconds_given_top = np.zeros(V), np.zeros(V)
+    top = int(q.argmax())
+    for _ in range(N_DRAWS):
+        a, b = draw_without_replacement(q, 2, rng)
+        firsts[a] += 1
+        if a == top:
+            seconds_given_top[b] += 1
+    assert chi2_pvalue(firsts, q) > 0.01
+    rest = q.copy()
+    rest[top] = 0
+    assert chi2_pvalue(seconds_given_top, rest / rest.sum()) > 0.01
+
+
+def test_processing_matches_llama_cpp_definitions():
+    logits = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05]))
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=0.7, min_p=0.0)
+    np.testing.assert_allclose(process_logits(logits, cfg), [4 / 7, 3 / 7, 0, 0, 0])  # 0.4+0.3 reaches 0.7
+    cfg = SamplingConfig(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0)
+    np.testing.assert_allclose(process_logits(logits, cfg), np.array([0.4, 0.3, 0.15, 0, 0]) / 0.85)
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3)  # keeps p >= 0.12
+    np.testing.assert_allclose(process_logits(logits, cfg), np.array([0.4, 0.3, 0.15, 0, 0]) / 0.85)
+    cfg = SamplingConfig(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0)  # p^2 renormalised
+    sq = np.array([0.4, 0.3, 0.15, 0.1, 0.05]) ** 2
+    np.testing.assert_allclose(process_logits(logits, cfg), sq / sq.sum())
+    assert process_logits(logits, SamplingConfig(temperature=0.0)).tolist() == [1, 0, 0, 0, 0]
