@@ -239,3 +239,29 @@ def test_hf_path_on_a_tiny_random_llama(model_path, source, tmp_path):
         assert (s.extras["topk_ids"][:, 0] == out.logits[0].argmax(-1).numpy()).all()
     with pytest.raises(Exception, match="does not match the GGUF"):
         export_features(cfg(model_path, tmp_path / "h", source, limit=1), hf_model=tmp_path / "hf")
+
+
+def test_disk_full_keeps_completed_shards_and_resumes(model_path, source, tmp_path, monkeypatch):
+    import errno
+
+    base = cfg(model_path, tmp_path / "whole", source, chunk=2, shard_mb=0)  # a shard after every chunk
+    part = replace(base, out=tmp_path / "part")
+    real = ef.write_shard
+    calls = {"n": 0}
+
+    def full_disk(path, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            path.with_name(f".{path.name}.tmp1").write_bytes(b"partial")  # what a failed write leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(ef, "write_shard", full_disk)
+    with pytest.raises(ExportError, match="completed shards are valid"):
+        export_features(part)
+    monkeypatch.setattr(ef, "write_shard", real)
+    assert len(read_manifest(part.out).shards) == 2 and not list(part.out.glob(".*tmp*"))
+    export_features(part)
+    export_features(base)
+    a, b = list(iter_sequences(base.out)), list(iter_sequences(part.out))
+    assert len(a) == len(b) == 7 and all(np.array_equal(x.hidden, y.hidden) for x, y in zip(a, b))
