@@ -177,7 +177,8 @@ def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainCo
     feats = batch.features
     if feat_rms > 0 and cfg.noise > 0:
         feats = feats + torch.randn_like(feats) * (cfg.noise * feat_rms)
-    steps = runner(feats, batch.next_tokens, batch.valid)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=feats.device.type == "cuda"):
+        steps = runner(feats, batch.next_tokens, batch.valid)
     total = torch.zeros((), device=feats.device)
     correct = count = 0
     parts: dict[str, float] = {}

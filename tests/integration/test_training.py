@@ -1,0 +1,82 @@
+"""Distillation on a small self-distilled set exported from the real GGUF."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hetero_spec.config import TargetFingerprint
+from hetero_spec.draft.checkpoint import load_draft
+from hetero_spec.errors import HeteroSpecError
+from hetero_spec.train.loop import TrainConfig, train
+from hetero_spec.train_cli import _target_parts
+from tests.conftest import bench_prompts
+from tests.feature_builder import build_features
+
+BASE = TrainConfig(variant="darter", n_blocks=1, reduced_vocab=512, epochs=100, lr=3e-3, warmup_steps=5,
+                   batch_tokens=1024, unroll_steps=2, held_out=0.2, checkpoint_every=5, threads=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def parts(model_path):
+    return _target_parts(model_path)
+
+
+@pytest.fixture(scope="module")
+def features(model_path, tmp_path_factory):
+    prompts = bench_prompts("alpaca", 6) + bench_prompts("gsm8k", 4)
+    return build_features(model_path, tmp_path_factory.mktemp("features"), prompts, max_new_tokens=40)
+
+
+def run(cfg, features, out, parts, resume=False):
+    fp, emb, head = parts
+    return train(cfg, features, out, embedding=emb, head=head, fingerprint=fp, resume=resume, progress=False)
+
+
+def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, parts, tmp_path):
+    out = tmp_path / "d.safetensors"
+    summary = run(replace(BASE, max_steps=40), features, out, parts)
+    history = json.loads((tmp_path / "d.train" / "history.json").read_text())
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    assert (tmp_path / "d.train" / "training.png").stat().st_size > 1000
+    draft = load_draft(out, parts[0])  # fingerprint accepted
+    assert draft.cfg.reduced_vocab == 512 and draft.cfg.gate == "darter"
+    assert len(set(draft.d2t.tolist())) == 512
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as fh:
+        meta = json.loads(fh.metadata()["hetero_spec.training"])
+    assert meta["steps"] == 40 and 0 < meta["vocab_coverage"] <= 1 and meta["eval"]["accepted_length"] >= 1.0
+    assert summary["steps"] == 40
+
+
+def test_resume_continues_from_the_checkpoint(features, parts, tmp_path):
+    straight = tmp_path / "a.safetensors"
+    run(replace(BASE, max_steps=12), features, straight, parts)
+    split = tmp_path / "b.safetensors"
+    run(replace(BASE, max_steps=12, time_budget_s=1e-9), features, split, parts)  # stops after one step
+    first = json.loads((tmp_path / "b.train" / "history.json").read_text())
+    assert [h["step"] for h in first if "loss" in h] == [1]
+    run(replace(BASE, max_steps=12), features, split, parts, resume=True)
+    a, b = load_draft(straight), load_draft(split)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, msg=name)
+
+
+def test_features_from_another_target_are_refused(features, parts, tmp_path):
+    fp, emb, head = parts
+    other = replace(fp, tokenizer_sha256="0" * 64)
+    with pytest.raises(HeteroSpecError, match="another target"):
+        train(BASE, features, tmp_path / "x.safetensors", embedding=emb, head=head, fingerprint=other, progress=False)
+
+
+def test_train_cli_refuses_a_missing_dataset_in_one_line(model_path, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hetero_spec", "train", str(tmp_path), "--target", str(model_path),
+                           "--out", str(tmp_path / "d.safetensors")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "not a feature dataset" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,96 @@
+"""Training math on synthetic tensors: loss terms, gradients to the gate, the unrolled forward."""
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from hetero_spec.draft.runner import DraftRunner
+from hetero_spec.train.losses import LossWeights, centred_topk_mse, gate_regularization, kl_divergence, step_loss
+from hetero_spec.train.unroll import unrolled_forward
+from tests.unit.test_draft_model import CFG, D, V, make_model
+
+
+def test_kl_is_zero_for_equal_distributions_and_positive_otherwise():
+    logits = torch.randn(5, 30)
+    lp = logits.log_softmax(-1)
+    assert torch.allclose(kl_divergence(lp, lp), torch.zeros(5), atol=1e-6)
+    other = torch.randn(5, 30).log_softmax(-1)
+    assert (kl_divergence(lp, other) > 0).all()
+
+
+def test_logit_matching_ignores_a_constant_shift():
+    p = torch.randn(4, 50)
+    assert torch.allclose(centred_topk_mse(p, p + 3.0, 8), torch.zeros(4), atol=1e-5)
+    assert (centred_topk_mse(p, torch.randn(4, 50), 8) > 0).all()
+
+
+def test_gate_regularization_pulls_toward_the_keep_ratio_from_both_sides():
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    at_ratio = [torch.full((2, 6), 0.7).log()]
+    assert gate_regularization(at_ratio, valid, 0.7).item() < 1e-10
+    open_gate = [torch.full((2, 6), 0.99).log()]
+    closed = [torch.full((2, 6), 0.01).log()]
+    assert gate_regularization(open_gate, valid, 0.7) > 0 and gate_regularization(closed, valid, 0.7) > 0
+    g = torch.full((2, 6), 0.95).log().requires_grad_()
+    gate_regularization([g], valid, 0.7).backward()
+    assert (g.grad > 0).all()  # descending the gradient lowers an over-open gate
+
+
+def test_gradients_reach_the_importance_gate_through_the_distillation_loss():
+    m = make_model()
+    rng = np.random.default_rng(0)
+    feats = torch.from_numpy(rng.standard_normal((2, 10, D)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, V, (2, 10)))
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    steps = unrolled_forward(m, feats, ids, valid, 2)
+    d2t_index = torch.arange(V)
+    loss = sum(step_loss(s.features, feats, ids, valid, m.head, d2t_index, LossWeights()).total for s in steps)
+    loss.backward()
+    for blk in m.blocks:
+        assert blk.importance.weight.grad is not None and blk.importance.weight.grad.abs().sum() > 0
+
+
+def test_eagle_recipe_has_no_kl_term_and_darter_has():
+    m = make_model()
+    f = torch.randn(1, 6, D)
+    ids = torch.randint(0, V, (1, 6))
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    e = step_loss(f + 0.1, f, ids, mask, m.head, torch.arange(V), LossWeights(recipe="eagle"))
+    d = step_loss(f + 0.1, f, ids, mask, m.head, torch.arange(V), LossWeights(recipe="darter"))
+    assert "kl" not in e.parts and d.parts["kl"] > 0
+    perfect = step_loss(f, f, ids, mask, m.head, torch.arange(V), replace(LossWeights(), token_weighting=False))
+    assert perfect.total.item() < 1e-5  # predicting the target's feature exactly costs nothing
+
+
+def test_unrolled_step0_equals_teacher_forced_forward():
+    m = make_model()
+    rng = np.random.default_rng(1)
+    feats = torch.from_numpy(rng.standard_normal((2, 9, D)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, V, (2, 9)))
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 6:] = False  # right padding on the second row
+    with torch.no_grad():
+        full, _ = m(feats, ids, valid)
+        step0 = unrolled_forward(m, feats, ids, valid, 1)[0].features
+    torch.testing.assert_close(step0[0], full[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step0[1, :6], full[1, :6], rtol=1e-4, atol=1e-4)
+
+
+def test_unrolled_steps_match_what_the_runner_does_at_inference():
+    """Chain s, step j: real cells 0..s, then cells computed from the draft's own predictions."""
+    m = make_model(replace(CFG, n_blocks=2))
+    rng = np.random.default_rng(2)
+    T, s, steps = 10, 5, 3
+    feats = rng.standard_normal((T, D)).astype(np.float32)
+    ids = rng.integers(0, V, T)  # ids[t] = x_{t+1}, the draft's token input at t
+    with torch.no_grad():
+        un = unrolled_forward(m, torch.from_numpy(feats)[None], torch.from_numpy(ids)[None],
+                              torch.ones(1, T, dtype=torch.bool), steps)
+    r = DraftRunner(m, device="cpu", dtype="float32")
+    with torch.inference_mode():
+        out = r._forward(torch.from_numpy(feats[: s + 1])[None], torch.from_numpy(ids[: s + 1])[None])
+        pred = out[:, -1:]
+        torch.testing.assert_close(pred[0, 0], un[0].features[0, s], rtol=1e-4, atol=1e-4)
+        for j in range(1, steps):
+            pred = r._forward(pred, torch.from_numpy(ids[s + j : s + j + 1])[None])
+            torch.testing.assert_close(pred[0, 0], un[j].features[0, s], rtol=1e-4, atol=1e-4)
