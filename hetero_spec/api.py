@@ -21,6 +21,7 @@ from .records import RunStats
 from .spec.orchestrator import generate_tokens
 from .spec.policy import AutoPolicy, FixedPolicy, Shape
 
+QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
@@ -150,7 +151,7 @@ class HeteroSpec:
         Measuring resets the conversation cache; it happens once per machine, model and draft
         file (``hetero_spec.calibration`` caches the JSON)."""
         if self._curve is None:
-            from .calibration import CostCurve, cache_path, load_or_measure, measure, save, timings_count
+            from .calibration import cache_path, load_or_measure, measure, save
 
             path = cache_path(self.target.path, self.draft_path, self.target.n_threads)
             if path.is_file():
@@ -158,9 +159,10 @@ class HeteroSpec:
             else:
                 from tqdm import tqdm
 
-                with tqdm(total=timings_count(True, None, True), desc="calibrating (once)", unit="decode",
+                # a dozen row counts (interpolated between) keep the first run's wait short
+                with tqdm(total=2 * 3 * len(QUICK_ROWS), desc="calibrating (once)", unit="decode",
                           leave=False, file=sys.stderr) as bar:
-                    self._curve = measure(self.target, self.draft, quick=True, progress=bar.update,
+                    self._curve = measure(self.target, self.draft, ns=QUICK_ROWS, repeats=3, progress=bar.update,
                                           model=f"{self.target.path.name} + {Path(self.draft_path).name}")
                 save(self._curve, path)
         return self._curve

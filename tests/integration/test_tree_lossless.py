@@ -158,9 +158,9 @@ def test_sampling_through_a_real_tree_follows_the_targets_distribution(hs, rule,
     for _ in range(6000):
         kids = draw_without_replacement(q, 2, rng)
         tree = Tree(np.array([prompt[-1], *kids]), np.array([-1, 0, 0]))
-        _, tok = sample_accept_tree(tree.children, tree.tokens, lambda n: p, lambda n: q, rng,
-                                    residual if rule == "correct" else (lambda a, b: a))
-        counts[tok] += 1
+        path, nxt = sample_accept_tree(tree.children, tree.tokens, lambda n: p, lambda n: q, rng,
+                                       residual if rule == "correct" else (lambda a, b: a))
+        counts[int(tree.tokens[path[0]]) if path else nxt] += 1  # the first token emitted
     pval = chi2_pvalue(counts, p)
     assert (pval > 0.01) == should_pass, pval
 
