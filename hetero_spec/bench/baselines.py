@@ -9,7 +9,7 @@ waits for, and speculative methods pay extra there (every prompt row is an outpu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +48,6 @@ class BenchTarget:
     draft_device: str = "cpu"
     draft_dtype: str = "auto"
     lookup_tokens: int = 2  # llama-cpp-python's advice for CPU-only machines (10 is its GPU default)
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 class RawRun:
