@@ -1,7 +1,7 @@
 """Tree vs chain on this machine: verification cost at equal token counts, per-round overhead,
 and what auto sizing picks.  Medians of interleaved timings.
 
-    python scripts/bench_tree.py [--draft DRAFT.safetensors] [--repeats 15] [--tokens 32]
+    python scripts/bench_tree.py [--draft DRAFT.safetensors] [--repeats 15] [--tokens 32] [--threads N]
 """
 from __future__ import annotations
 
@@ -99,13 +99,14 @@ def main() -> None:
     ap.add_argument("--draft", default="/tmp/untrained.safetensors")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0, help="target threads (0 = physical cores)")
     args = ap.parse_args()
     model = args.model or shipped_model_path()
     if not Path(args.draft).exists():
         from hetero_spec.draft_factory import create_draft
 
         create_draft(model, args.draft, preset="darter", reduced_vocab=8192, seed=1)
-    with HeteroSpec(model, args.draft, n_ctx=2048, draft_device="cpu") as hs:
+    with HeteroSpec(model, args.draft, n_ctx=2048, threads=args.threads, draft_device="cpu") as hs:
         res = {"verify": verify_costs(hs, args.repeats), "rounds": round_overheads(hs, args.tokens),
                "auto": auto_choice(hs, args.tokens)}
     print(json.dumps(res, indent=2))
