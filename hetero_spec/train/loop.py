@@ -104,11 +104,11 @@ def train(
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = max(1, len(make_batches(split.train, cfg.batch_tokens, cfg.seed, 0)) // (cfg.grad_accum * world))
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(cfg.warmup_steps, total))
+    lr_at = _warmup_cosine(cfg.warmup_steps, total, cfg.time_budget_s)
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "history": []}
     ckpt = work / "checkpoint.pt"
     if resume and ckpt.exists():
-        state = _load_checkpoint(ckpt, model, opt, sched)
+        state = _load_checkpoint(ckpt, model, opt)
     runner = _Unrolled(model, cfg.unroll_steps)
     if world > 1:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
@@ -129,18 +129,20 @@ def train(
                 agg["correct"] += correct
                 agg["count"] += count
             torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            lr = cfg.lr * lr_at(state["step"], state["train_s"])
+            for group in opt.param_groups:
+                group["lr"] = lr
             opt.step()
-            sched.step()
             state["step"] += 1
             state["batch_in_epoch"] = bi + cfg.grad_accum
             state["train_s"] += time.perf_counter() - t0
             acc = agg["correct"] / max(1, agg["count"])
             state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
             bar.update(1)
-            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
+            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
             out_of_time = cfg.time_budget_s and state["train_s"] >= cfg.time_budget_s
             if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time):
-                _save_checkpoint(ckpt, model, opt, sched, state)
+                _save_checkpoint(ckpt, model, opt, state)
             if state["step"] >= total or out_of_time:
                 done = True
                 break
@@ -155,7 +157,7 @@ def train(
     bar.close()
     summary = {}
     if rank == 0:
-        _save_checkpoint(ckpt, model, opt, sched, state)
+        _save_checkpoint(ckpt, model, opt, state)
         ev = evaluate(model, split.held_out, d2t_index, cfg, device) if split.held_out else None
         summary = {
             "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
@@ -251,12 +253,22 @@ def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) ->
                        reduced_vocab=len(d2t) if len(d2t) < fp.n_vocab else 0, fingerprint=fp, **preset)
 
 
-def _warmup_cosine(warmup: int, total: int):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def _warmup_cosine(warmup: int, total: int, time_budget_s: float):
+    """lr factor: linear warm-up, then cosine decay to 10% over the run.  With a time budget the
+    run's progress is the larger of steps done and budget spent, so the decay ends when the
+    budget does instead of at a step count the budget never reaches."""
+    warmup = max(1, warmup)
+
+    def f(step: int, train_s: float) -> float:
+        warm = (step + 1) / warmup
+        if time_budget_s:  # a slow run may do few steps: warm-up ends by 5% of the budget at the latest
+            warm = max(warm, train_s / (0.05 * time_budget_s))
+        if warm < 1.0:
+            return warm
+        progress = (step - warmup) / max(1, total - warmup)
+        if time_budget_s:
+            progress = max(progress, train_s / time_budget_s)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return f
 
@@ -298,18 +310,17 @@ class _Unrolled(torch.nn.Module):
         return unrolled_forward(self.model, feats, next_tokens, valid, self.steps)
 
 
-def _save_checkpoint(path: Path, model, opt, sched, state) -> None:
+def _save_checkpoint(path: Path, model, opt, state) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(), "state": state,
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}, tmp)
     os.replace(tmp, path)
 
 
-def _load_checkpoint(path: Path, model, opt, sched) -> dict:
+def _load_checkpoint(path: Path, model, opt) -> dict:
     ck = torch.load(path, map_location="cpu", weights_only=False)
     model.load_state_dict(ck["model"], strict=False)
     opt.load_state_dict(ck["opt"])
-    sched.load_state_dict(ck["sched"])
     torch.set_rng_state(ck["rng"]["torch"])
     np.random.set_state(ck["rng"]["numpy"])
     random.setstate(ck["rng"]["python"])
