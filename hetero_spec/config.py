@@ -93,6 +93,26 @@ DRAFT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def draft_config_for(fingerprint: TargetFingerprint, preset: str = "darter", **overrides: Any) -> DraftConfig:
+    """A draft shaped for a target: its feature size and vocabulary, Llama-like head and FFN
+    proportions, and the preset's fusion/gate/depth; ``None`` overrides are ignored."""
+    if preset not in DRAFT_PRESETS:
+        raise ConfigError(f"unknown draft preset {preset!r} (use {', '.join(DRAFT_PRESETS)})")
+    n = fingerprint.n_embd
+    heads = next(h for h in (9, 8, 12, 16, 6, 4, 3, 2, 1) if n % h == 0 and (n // h) % 2 == 0)
+    base = DraftConfig(
+        n_embd=n,
+        n_vocab=fingerprint.n_vocab,
+        hidden_size=n,
+        n_heads=heads,
+        n_kv_heads=next(kv for kv in (3, 4, 2, 1) if heads % kv == 0),
+        ffn_size=((int(n * 8 / 3) + 63) // 64) * 64,
+        fingerprint=fingerprint,
+        **DRAFT_PRESETS[preset],
+    )
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
 @dataclass(frozen=True)
 class DenoiseConfig:
     """DarterSD Boolean-mask denoising of the draft's attention at inference."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..config import DRAFT_PRESETS, DraftConfig, TargetFingerprint
+from ..config import ConfigError, DraftConfig, TargetFingerprint, draft_config_for
 from ..draft.checkpoint import save_draft
 from ..draft.model import DraftModel, init_weights
 from ..errors import HeteroSpecError
@@ -240,17 +240,11 @@ def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) -> DraftConfig:
-    if cfg.variant not in DRAFT_PRESETS:
-        raise HeteroSpecError(f"unknown variant {cfg.variant!r} (use {', '.join(DRAFT_PRESETS)})")
-    n = fp.n_embd
-    heads = next(h for h in (9, 8, 12, 16, 6, 4, 3, 2, 1) if n % h == 0 and (n // h) % 2 == 0)
-    preset = dict(DRAFT_PRESETS[cfg.variant])
-    if cfg.n_blocks:
-        preset["n_blocks"] = cfg.n_blocks
-    return DraftConfig(n_embd=n, n_vocab=fp.n_vocab, hidden_size=n, n_heads=heads,
-                       n_kv_heads=next(kv for kv in (3, 4, 2, 1) if heads % kv == 0),
-                       ffn_size=((int(n * 8 / 3) + 63) // 64) * 64,
-                       reduced_vocab=len(d2t) if len(d2t) < fp.n_vocab else 0, fingerprint=fp, **preset)
+    try:
+        return draft_config_for(fp, cfg.variant, n_blocks=cfg.n_blocks,
+                                reduced_vocab=len(d2t) if len(d2t) < fp.n_vocab else 0)
+    except ConfigError as exc:
+        raise HeteroSpecError(str(exc)) from None
 
 
 def _warmup_cosine(warmup: int, total: int, time_budget_s: float):
