@@ -100,3 +100,17 @@ def test_rollback_drops_cells_by_position(target):
     target.verify([11, 12, 13])
     target.rollback(n + 1)
     assert target.n_past == n + 1 and target.kv_pos_max() == n
+
+
+def test_verify_equals_single_decodes_past_256_cells_on_one_thread(model_path):
+    """Past 256 KV cells llama.cpp's 2-thread flash attention splits a single-token decode's
+    reduction across threads (measured: logits differ by up to 0.6 from a multi-row decode).
+    On one thread there is no split, and verification stays bit-identical at any length."""
+    with LlamaTarget(model_path, TargetOptions(n_ctx=1024, n_threads=1)) as t:
+        prompt = list(range(1000, 1300))  # 300 cells
+        extra = list(range(3000, 3005))
+        t.prefill(prompt)
+        single = np.stack([t.verify([x])[0][-1].copy() for x in extra])
+        t.rollback(len(prompt))
+        logits, _ = t.verify(extra)
+        np.testing.assert_array_equal(logits, single)
