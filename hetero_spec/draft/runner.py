@@ -291,16 +291,7 @@ class DraftRunner:
         x = model.fusion(f, model.embed[tokens])
         cos, sin = model.rope_cos[rope], model.rope_sin[rope]
         tree_bias = torch.zeros(T, L, device=self.device).masked_fill_(~visible, float("-inf"))
-        for i, blk in enumerate(model.blocks):
-            q, k, v, log_gate = blk.project(x, cos, sin)
-            cache.k[i][:, :, p0:L] = k
-            cache.v[i][:, :, p0:L] = v
-            if log_gate is not None:
-                cache.log_gate[i][p0:L] = log_gate[0]
-            bias = self._bias(cache.log_gate[i][:L], 1, L, log_gate is not None).view(1, L) + tree_bias
-            x = blk.finish(x, q, cache.k[i][:, :, :L], cache.v[i][:, :, :L], bias[None, None])
-        cache.n = L
-        return model.feature_out(x)
+        return self._blocks(x, cos, sin, p0, L, tree_bias)
 
     @torch.inference_mode()
     def prefill(self, features: np.ndarray, tokens: np.ndarray | list[int]) -> None:
@@ -316,13 +307,23 @@ class DraftRunner:
         L = p0 + T
         x = model.fusion(f, model.embed[tokens])
         cos, sin = model.rope_cos[p0:L], model.rope_sin[p0:L]
+        return self._blocks(x, cos, sin, p0, L, None)
+
+    def _blocks(self, x: torch.Tensor, cos, sin, p0: int, L: int, tree_bias: torch.Tensor | None) -> torch.Tensor:
+        """Run the blocks over rows x [1, T, H] writing cache cells p0..L-1; causal attention, or the
+        tree's visibility ``tree_bias`` [T, L] when given -> predicted features [1, T, n_embd]."""
+        model, cache = self.model, self.cache
+        T = x.shape[1]
         for i, blk in enumerate(model.blocks):
             q, k, v, log_gate = blk.project(x, cos, sin)
             cache.k[i][:, :, p0:L] = k
             cache.v[i][:, :, p0:L] = v
             if log_gate is not None:
                 cache.log_gate[i][p0:L] = log_gate[0]
-            bias = self._bias(cache.log_gate[i][:L], T, L, log_gate is not None)
+            if tree_bias is None:
+                bias = self._bias(cache.log_gate[i][:L], T, L, log_gate is not None)
+            else:
+                bias = (self._bias(cache.log_gate[i][:L], 1, L, log_gate is not None).view(1, L) + tree_bias)[None, None]
             x = blk.finish(x, q, cache.k[i][:, :, :L], cache.v[i][:, :, :L], bias)
         cache.n = L
         return model.feature_out(x)
