@@ -77,16 +77,20 @@ def _parse_layers(ctx, param, value: str | None) -> tuple[int, ...]:
 @click.option("--layers", callback=_parse_layers, help="also store hidden states after these blocks, e.g. 2,15")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
 @click.option("--shard-mb", default=256, show_default=True, type=click.IntRange(1), help="shard size")
+@click.option("--prefill-batch", default=512, show_default=True, type=click.IntRange(1, 4096),
+              help="rows per llama.cpp micro-batch; 32 = bit-identical to the runtime's features, "
+                   "512 = large-batch kernels, 1.4-1.6x faster, within ~3%% RMS")
 @click.option("--hf-model", type=click.Path(file_okay=False, path_type=Path),
               help="extract hidden states with transformers from this HF checkpoint instead of MODEL (GGUF)")
 def export_features(model, out_dir, source, limit, offset, seed, shard, regenerate, temperature, max_new_tokens,
-                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, hf_model) -> None:
+                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, prefill_batch, hf_model) -> None:
     """Export target features (ids, hidden states, loss masks) of conversations for draft training."""
     from .export_features import ExportConfig, export_features as run_export
 
     cfg = ExportConfig(model=model, out=out_dir, source=source, limit=limit, offset=offset, seed=seed, shard=shard,
                        regenerate=regenerate, temperature=temperature, max_new_tokens=max_new_tokens, n_seq=n_seq,
-                       dtype=dtype, max_len=max_len, topk=topk, layers=layers, threads=threads, shard_mb=shard_mb)
+                       dtype=dtype, max_len=max_len, topk=topk, layers=layers, threads=threads, shard_mb=shard_mb,
+                       prefill_batch=prefill_batch)
     if hf_model is not None:
         from .hf_export import export_features_hf
 

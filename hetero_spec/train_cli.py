@@ -30,7 +30,7 @@ def _target_parts(model: Path):
 
 
 @click.command()
-@click.argument("features", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("features", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--target", "model", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="the GGUF whose features these are (its head and embedding are borrowed)")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="draft .safetensors")
@@ -49,11 +49,14 @@ def _target_parts(model: Path):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", default=0, show_default=True, help="CPU threads (0 = all)")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+              help="auto: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX)")
 @click.option("--resume", is_flag=True, help="continue from OUT's checkpoint folder")
 @click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
 def train(features, model, out, variant, blocks, reduced_vocab, epochs, max_steps, time_budget, lr, batch_tokens,
-          grad_accum, unroll, noise, max_len, seed, device, threads, resume, loss_weights) -> None:
-    """Distil a draft for MODEL from exported FEATURES (see export-features)."""
+          grad_accum, unroll, noise, max_len, seed, device, threads, precision, resume, loss_weights) -> None:
+    """Distil a draft for MODEL from exported FEATURES folders (see export-features); several folders
+    (say self-distilled and plain data) train together."""
     from .train.loop import TrainConfig
     from .train.loop import train as run_training
     from .train.losses import LossWeights
@@ -66,9 +69,9 @@ def train(features, model, out, variant, blocks, reduced_vocab, epochs, max_step
     cfg = TrainConfig(variant=variant, n_blocks=blocks, reduced_vocab=reduced_vocab, epochs=epochs,
                       max_steps=max_steps, time_budget_s=time_budget * 60, lr=lr, batch_tokens=batch_tokens,
                       grad_accum=grad_accum, unroll_steps=unroll, noise=noise, max_len=max_len, seed=seed,
-                      device=device, threads=threads, loss=weights)
+                      device=device, threads=threads, precision=precision, loss=weights)
     fp, emb, head = _target_parts(model)
-    summary = run_training(cfg, features, out, embedding=emb, head=head, fingerprint=fp, resume=resume)
+    summary = run_training(cfg, list(features), out, embedding=emb, head=head, fingerprint=fp, resume=resume)
     click.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
 
 

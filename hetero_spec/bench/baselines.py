@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config import TreeSpec
 from ..records import Round
 
 
@@ -48,6 +49,7 @@ class BenchTarget:
     draft_device: str = "cpu"
     draft_dtype: str = "auto"
     lookup_tokens: int = 2  # llama-cpp-python's advice for CPU-only machines (10 is its GPU default)
+    tree: TreeSpec = TreeSpec()  # the shape of the ``tree`` method (the bounds of ``auto-tree``)
 
 
 class RawRun:

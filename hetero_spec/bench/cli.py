@@ -30,20 +30,26 @@ def _split(value: str) -> tuple[str, ...]:
 @click.option("--draft-dtype", default="auto", show_default=True)
 @click.option("--lookup-tokens", default=2, show_default=True, type=click.IntRange(1),
               help="prompt-lookup draft length (llama-cpp-python advises 2 on CPU-only machines)")
+@click.option("--tree-tokens", default=12, show_default=True, type=click.IntRange(1, 31),
+              help="drafted nodes per tree (methods tree, auto-tree)")
+@click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth")
+@click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
-          lookup_tokens, out) -> None:
+          lookup_tokens, tree_tokens, tree_depth, tree_top_k, out) -> None:
     """Time raw llama.cpp, llama-cpp-python and hetero-spec side by side on the same prompts."""
     from tqdm import tqdm
 
     from ..target.llama_target import default_threads
+    from ..config import TreeSpec
     from .baselines import BenchTarget
     from .harness import BASELINE, BenchConfig, load_dataset, run_bench
     from .report import markdown, write_bench
 
     cfg = BenchConfig(
         target=BenchTarget(model, draft, threads=threads or default_threads(), n_ctx=ctx, k=k,
-                           draft_device=draft_device, draft_dtype=draft_dtype, lookup_tokens=lookup_tokens),
+                           draft_device=draft_device, draft_dtype=draft_dtype, lookup_tokens=lookup_tokens,
+                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k)),
         datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
     )
     if not cfg.datasets or not cfg.methods:

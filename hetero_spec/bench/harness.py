@@ -7,7 +7,8 @@ baseline measured moments before or after on the same prompt.
 Methods are a registry: a name maps to a builder that makes a ``Runner`` from the
 shared ``BenchContext``.  Adding a hetero-spec variant is one entry, e.g.
 
-    register(Method("tree", "hetero-spec dynamic tree", lambda c: c.hetero_run(tree=True), needs_draft=True))
+    register(Method("wide-tree", "hetero-spec tree, 3 children", lambda c: c.hetero_run(
+        draft_len=1, tree=TreeSpec(16, 4, 3)), needs_draft=True, speculative=True))
 """
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ register(Method("plain", "hetero-spec without a draft (same runtime, k = 0)",
                 lambda c: c.hetero_run(draft_len=0)))
 register(Method("chain", "hetero-spec chain drafting, k drafts per round",
                 lambda c: c.hetero_run(draft_len=c.target.k), needs_draft=True, speculative=True))
+register(Method("auto", "hetero-spec --draft-len auto: chain length chosen per round from the cost curve",
+                lambda c: c.hetero_run(draft_len="auto"), needs_draft=True, speculative=True))
+register(Method("tree", "hetero-spec dynamic tree of a fixed shape (--tree-tokens/-depth/-top-k)",
+                lambda c: c.hetero_run(draft_len=1, tree=c.target.tree), needs_draft=True, speculative=True))
+register(Method("auto-tree", "hetero-spec dynamic tree sized per round from the cost curve",
+                lambda c: c.hetero_run(draft_len="auto", tree=c.target.tree), needs_draft=True, speculative=True))
 
 
 # ----------------------------------------------------------------------- prompts
@@ -240,6 +247,7 @@ def _meta(cfg: BenchConfig, ctx: BenchContext, methods: list[str], threads: int)
         "machine": machine_id(threads),
         "threads": threads,
         "k": t.k,
+        "tree": asdict(t.tree),
         "prompt_lookup_tokens": t.lookup_tokens,
         "max_new_tokens": cfg.max_new_tokens,
         "n_prompts": cfg.n_prompts,

@@ -68,13 +68,20 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _tree(shape: dict | None) -> str:
+    if not shape:
+        return "-"
+    return f"{shape['total_tokens']} tokens, depth {shape['depth']}, top-{shape['top_k']}"
+
+
 def markdown(result: "BenchResult") -> str:
     meta = result.meta
     lines = [
         f"# hetero-spec bench: {meta['model']}",
         "",
         f"- target: {meta['target_label']}",
-        f"- draft: {meta['draft'] or '-'}; k = {meta['k']}; prompt-lookup tokens = {meta['prompt_lookup_tokens']}",
+        f"- draft: {meta['draft'] or '-'}; k = {meta['k']}; tree = {_tree(meta.get('tree'))}; "
+        f"prompt-lookup tokens = {meta['prompt_lookup_tokens']}",
         f"- machine: {meta['machine']}",
         f"- {meta['n_prompts']} prompts per dataset, {meta['max_new_tokens']} new tokens, greedy; {meta['date']}",
         f"- {meta['timing']}",

@@ -54,15 +54,6 @@ def resolve_dtype(spec: str, device: torch.device) -> tuple[torch.dtype, bool]:
     return table[spec], False
 
 
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = fh.read()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        return False
-
-
 @dataclass
 class TreeProposal:
     """A drafted tree, parents first; node 0 is the root (the last accepted token, unknown here)."""

@@ -7,6 +7,11 @@ residual stream after block i, ``[n_tokens, n_embd]`` float32) and copy it when 
 Observing nodes splits the graph there but does not change any arithmetic, so the final
 hidden states stay what ``LlamaTarget`` returns (a test checks it bitwise).
 
+The same callback also serves plain feature export: with ``skip_head`` it copies
+the final-norm hidden state and answers "stop" after it, so the scheduler
+never runs the LM head.  With pooling NONE llama.cpp would otherwise multiply every row by
+the [n_vocab, n_embd] head, which export does not need (unless it keeps top-k log-probs).
+
 The callback needs three ggml functions (tensor name, size, copy-out) from ``libggml-base``,
 which llama-cpp-python ships beside ``libllama``; they are declared here rather than in
 ``_ffi`` only because that module belongs to the runtime.
@@ -39,6 +44,12 @@ def _libggml() -> ctypes.CDLL:
     return lib
 
 
+# llama.cpp's names for the final-norm hidden state: ``result_norm``, renamed ``result_embd_pooled``
+# when pooling NONE passes the same tensor through
+RESULT_NORM = (b"result_norm", b"result_embd_pooled")
+FINAL = -1  # its key among the captured tensors
+
+
 class _TensorHead(ctypes.Structure):
     """The stable head of ``struct ggml_tensor``: type, buffer, ne[4] (ggml.h)."""
 
@@ -53,7 +64,7 @@ class LayerTapTarget:
     """
 
     def __init__(self, path: str | Path, layers: tuple[int, ...], *, n_ctx: int = 2048, n_batch: int = 32,
-                 n_threads: int = 0) -> None:
+                 n_threads: int = 0, skip_head: bool = False) -> None:
         from .llama_target import default_threads
 
         self._ggml = _libggml()
@@ -69,7 +80,10 @@ class LayerTapTarget:
         self.n_embd = C.llama_model_n_embd(self._model.ptr)
         self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
         self.n_batch = n_batch
-        self._wanted = {f"l_out-{i}".encode(): i for i in layers}
+        self._wanted: dict[bytes, int] = {f"l_out-{i}".encode(): i for i in layers}
+        self.skip_head = skip_head
+        if skip_head:
+            self._wanted.update(dict.fromkeys(RESULT_NORM, FINAL))
         self._captured: dict[int, np.ndarray] = {}
         self._callback = C.ggml_backend_sched_eval_callback(self._on_tensor)  # keep a reference
         params = C.llama_context_default_params()
@@ -98,6 +112,8 @@ class LayerTapTarget:
             out = np.empty((n_tok, n_embd), dtype=np.float32)  # ggml ne0 is the row length
             self._ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
             self._captured[layer] = out
+            if layer == FINAL:
+                return False  # the final-norm rows are all we need: stop before the LM head
         return True
 
     def run(self, ids: list[int], on_logits: Callable[[int, np.ndarray], None] | None = None
@@ -105,8 +121,11 @@ class LayerTapTarget:
         """hidden ``[T, n_embd] f32`` and {layer: ``[T, n_embd] f32``}.
 
         ``on_logits(first_row, logits)`` sees each micro-batch's logits ``[n, n_vocab] f32``
-        (a view, valid during the call), so a caller never holds ``[T, n_vocab]`` at once.
+        (a view, valid during the call), so a caller never holds ``[T, n_vocab]`` at once;
+        it needs the head, so not with ``skip_head``.
         """
+        if on_logits is not None and self.skip_head:
+            raise TargetError("logits requested from a context that skips the LM head")
         C.llama_memory_clear(self._memory, True)
         T = len(ids)
         hidden = np.empty((T, self.n_embd), dtype=np.float32)
@@ -119,7 +138,12 @@ class LayerTapTarget:
             b.raw.n_tokens = n
             self._captured.clear()
             _ffi.check_decode(C.llama_decode(self._ctx, b.raw))
-            hidden[a : a + n] = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx), shape=(n, self.n_embd))
+            if self.skip_head:
+                if FINAL not in self._captured:
+                    raise TargetError("llama.cpp did not expose the final-norm hidden state for this architecture")
+                hidden[a : a + n] = self._captured[FINAL]
+            else:
+                hidden[a : a + n] = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx), shape=(n, self.n_embd))
             if on_logits is not None:
                 on_logits(a, np.ctypeslib.as_array(C.llama_get_logits(self._ctx), shape=(n, self.n_vocab)))
             for i in self.layers:

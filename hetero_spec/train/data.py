@@ -21,17 +21,25 @@ class Split:
     held_out: list[FeatureSequence]
 
 
-def load_split(folder: str | Path, *, max_len: int, held_out: float, seed: int) -> Split:
-    """Read every sequence, cut to ``max_len`` rows, drop those with fewer than 3 rows or no loss tokens."""
-    read_manifest(folder)  # validates the folder before the (long) read
-    seqs = []
-    for s in iter_sequences(folder):
-        s = FeatureSequence(s.input_ids[:max_len], s.hidden[:max_len], s.loss_mask[:max_len])
-        if len(s) >= 3 and s.loss_mask[2:].any():
-            seqs.append(s)
-    order = np.random.default_rng(seed).permutation(len(seqs))
-    n_eval = max(1, int(round(len(seqs) * held_out))) if len(seqs) > 1 and held_out > 0 else 0
-    return Split([seqs[i] for i in order[n_eval:]], [seqs[i] for i in order[:n_eval]])
+def load_split(folders: str | Path | list, *, max_len: int, held_out: float, seed: int) -> Split:
+    """Read every sequence of every folder, cut to ``max_len`` rows, drop those with fewer than 3 rows
+    or no loss tokens.  Each folder is split on its own, so adding a dataset (say plain ShareGPT
+    beside a self-distilled export) leaves the other's held-out sequences where they were."""
+    folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+    for folder in folders:
+        read_manifest(folder)  # validates every folder before the (long) read
+    split = Split([], [])
+    for folder in folders:
+        seqs = []
+        for s in iter_sequences(folder):
+            s = FeatureSequence(s.input_ids[:max_len], s.hidden[:max_len], s.loss_mask[:max_len])
+            if len(s) >= 3 and s.loss_mask[2:].any():
+                seqs.append(s)
+        order = np.random.default_rng(seed).permutation(len(seqs))
+        n_eval = max(1, int(round(len(seqs) * held_out))) if len(seqs) > 1 and held_out > 0 else 0
+        split.train.extend(seqs[i] for i in order[n_eval:])
+        split.held_out.extend(seqs[i] for i in order[:n_eval])
+    return split
 
 
 def choose_vocab(seqs: list[FeatureSequence], size: int, n_vocab: int) -> tuple[torch.Tensor, float]:

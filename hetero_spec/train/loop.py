@@ -22,6 +22,7 @@ from tqdm import tqdm
 from ..config import ConfigError, DraftConfig, TargetFingerprint, draft_config_for
 from ..draft.checkpoint import save_draft
 from ..draft.model import DraftModel, init_weights
+from ..cpu_features import cpu_has_bf16
 from ..errors import HeteroSpecError
 from ..features import read_manifest
 from .data import Batch, choose_vocab, collate, load_split, make_batches
@@ -52,6 +53,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     threads: int = 0  # CPU threads for torch (0 = all cores)
+    precision: str = "auto"  # auto = bf16 autocast on CUDA and on CPUs with native bf16; "bf16" | "fp32"
     loss: LossWeights = field(default_factory=LossWeights)
 
 
@@ -64,7 +66,7 @@ class EvalResult:
 
 def train(
     cfg: TrainConfig,
-    features_dir: str | Path,
+    features_dirs: str | Path | list,
     out: str | Path,
     *,
     embedding: torch.Tensor,
@@ -73,7 +75,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Distil a draft from ``features_dir`` into ``out`` (safetensors); returns a summary dict.
+    """Distil a draft from one or more feature folders into ``out`` (safetensors); returns a summary dict.
 
     embedding / head: [n_vocab, n_embd] float32 from the target GGUF (frozen, never saved).
     """
@@ -85,13 +87,15 @@ def train(
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed + rank)
-    manifest = read_manifest(features_dir)
-    diffs = fingerprint.mismatches(manifest.fingerprint)
-    if diffs:
-        raise HeteroSpecError(f"features in {features_dir} come from another target: " + "; ".join(diffs))
-    split = load_split(features_dir, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed)
+    features_dirs = [features_dirs] if isinstance(features_dirs, (str, Path)) else list(features_dirs)
+    for folder in features_dirs:
+        diffs = fingerprint.mismatches(read_manifest(folder).fingerprint)
+        if diffs:
+            raise HeteroSpecError(f"features in {folder} come from another target: " + "; ".join(diffs))
+    split = load_split(features_dirs, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed)
     if not split.train:
-        raise HeteroSpecError(f"{features_dir} holds no usable training sequences")
+        raise HeteroSpecError(f"{', '.join(map(str, features_dirs))} hold no usable training sequences")
+    autocast_bf16 = _use_bf16(cfg.precision, device)
     d2t, coverage = choose_vocab(split.train, cfg.reduced_vocab or fingerprint.n_vocab, fingerprint.n_vocab)
     dcfg = _draft_config(cfg, fingerprint, d2t)
     model = init_weights(DraftModel(dcfg), cfg.seed)
@@ -123,7 +127,7 @@ def train(
             agg = {"loss": 0.0, "correct": 0, "count": 0}
             for a in range(cfg.grad_accum):
                 batch = collate([split.train[i] for i in batches[bi + a]]).to(device)
-                loss, correct, count, parts = _batch_loss(runner, model, batch, d2t_index, cfg, feat_rms)
+                loss, correct, count, parts = _batch_loss(runner, model, batch, d2t_index, cfg, feat_rms, autocast_bf16)
                 (loss / cfg.grad_accum).backward()
                 agg["loss"] += loss.item() / cfg.grad_accum
                 agg["correct"] += correct
@@ -174,12 +178,14 @@ def train(
     return summary
 
 
-def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainConfig, feat_rms: float):
-    """runner: the (possibly DDP-wrapped) unrolled forward; feat_rms > 0 adds input noise."""
+def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainConfig, feat_rms: float,
+                bf16: bool = False):
+    """runner: the (possibly DDP-wrapped) unrolled forward; feat_rms > 0 adds input noise; ``bf16``
+    autocasts the forward and the head matmuls of the losses (autocast keeps softmaxes in fp32)."""
     feats = batch.features
     if feat_rms > 0 and cfg.noise > 0:
         feats = feats + torch.randn_like(feats) * (cfg.noise * feat_rms)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=feats.device.type == "cuda"):
+    with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=bf16):
         steps = runner(feats, batch.next_tokens, batch.valid)
     total = torch.zeros((), device=feats.device)
     correct = count = 0
@@ -190,7 +196,8 @@ def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainCo
         tgt_feat = _shift(batch.features, j + 1)
         tgt_next = _shift(batch.ids, j + 2)
         mask = _shift(batch.loss_mask & batch.valid, j + 2) & (torch.arange(T, device=feats.device) < T - j - 2)
-        sl = step_loss(st.features, tgt_feat, tgt_next, mask, model.head, d2t_index, cfg.loss)
+        with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=bf16):
+            sl = step_loss(st.features, tgt_feat, tgt_next, mask, model.head, d2t_index, cfg.loss)
         weight = cfg.loss.step_decay**j
         total = total + weight * sl.total
         if j == 0:
@@ -237,6 +244,14 @@ def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
     if n < x.shape[1]:
         out[:, : x.shape[1] - n] = x[:, n:]
     return out
+
+
+def _use_bf16(precision: str, device: torch.device) -> bool:
+    if precision not in ("auto", "bf16", "fp32"):
+        raise HeteroSpecError(f"unknown precision {precision!r} (use auto, bf16 or fp32)")
+    if precision == "auto":
+        return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
+    return precision == "bf16"
 
 
 def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) -> DraftConfig:

@@ -13,6 +13,7 @@ from hetero_spec.default_model import default_model_path
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.target.quantize import QuantizeError, QuantizeOptions, quantize
 from tests.conftest import bench_prompts
+from tests.invariance import assert_prefix_reuse_equals_fresh_prefill, assert_verify_equals_single_decodes
 
 
 def _types(path) -> Counter:
@@ -54,19 +55,8 @@ def test_batch_invariance_at_32_rows(which, model_path):
                            " market on Tuesday and kept three for breakfast and baked muffins with four more and gave the rest"
                            " away to her neighbours", add_special=False)[:32]
         assert len(extra) == 32
-        t.prefill(prompt)
-        single = np.stack([t.verify([x])[0][-1].copy() for x in extra])
-        t.rollback(len(prompt))
-        logits, _ = t.verify(extra)
-        np.testing.assert_array_equal(logits, single)
-        a, b = bench_prompts("alpaca", 2)
-        t.reset()
-        t.prefill(t.tokenize(a))
-        h_cached, l_cached = t.prefill(t.tokenize(a[:40] + b))
-        t.reset()
-        h_fresh, l_fresh = t.prefill(t.tokenize(a[:40] + b))
-        np.testing.assert_array_equal(l_cached, l_fresh)
-        np.testing.assert_array_equal(h_cached, h_fresh[-len(h_cached):])
+        assert_verify_equals_single_decodes(t, prompt, extra)
+        assert_prefix_reuse_equals_fresh_prefill(t)
 
 
 def test_bad_inputs_raise_clear_errors(model_path, tmp_path):

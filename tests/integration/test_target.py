@@ -8,6 +8,7 @@ from hetero_spec.errors import ContextFull, TargetError
 from hetero_spec.spec.orchestrator import generate_tokens
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from tests.conftest import bench_prompts
+from tests.invariance import assert_prefix_reuse_equals_fresh_prefill, assert_verify_equals_single_decodes
 
 from .oracle_draft import OracleDraft
 
@@ -42,23 +43,11 @@ def test_hidden_state_is_the_lm_head_input(target):
 def test_verify_equals_single_token_decodes_bitwise(target):
     prompt = target.tokenize(bench_prompts("gsm8k", 1)[0])
     extra = target.tokenize(" and then the answer is forty two because", add_special=False)
-    target.reset()
-    target.prefill(prompt)
-    one_by_one = np.stack([target.verify([t])[0][-1].copy() for t in extra])  # views: copy each
-    target.rollback(len(prompt))
-    logits, hidden = target.verify(extra)
-    np.testing.assert_array_equal(logits, one_by_one)
+    assert_verify_equals_single_decodes(target, prompt, extra)
 
 
 def test_prefix_reuse_equals_fresh_prefill(target):
-    a, b = bench_prompts("alpaca", 2)
-    target.reset()
-    target.prefill(target.tokenize(a))
-    hidden_cached, logits_cached = target.prefill(target.tokenize(a[:40] + b))
-    target.reset()
-    hidden_fresh, logits_fresh = target.prefill(target.tokenize(a[:40] + b))
-    np.testing.assert_array_equal(logits_cached, logits_fresh)
-    np.testing.assert_array_equal(hidden_cached, hidden_fresh[-len(hidden_cached):])
+    assert_prefix_reuse_equals_fresh_prefill(target)
 
 
 def test_kv_after_many_rounds_equals_fresh_decode(target, hs):

@@ -80,3 +80,32 @@ def test_train_cli_refuses_a_missing_dataset_in_one_line(model_path, tmp_path):
                            "--out", str(tmp_path / "d.safetensors")], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "not a feature dataset" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_several_folders_train_together_and_each_keeps_its_own_held_out_split(features):
+    from hetero_spec.train.data import load_split
+
+    one = load_split(features, max_len=1024, held_out=0.2, seed=3)
+    two = load_split([features, features], max_len=1024, held_out=0.2, seed=3)
+    assert len(two.train) == 2 * len(one.train) and len(two.held_out) == 2 * len(one.held_out)
+    for a, b in zip(one.held_out, two.held_out[len(one.held_out):]):
+        assert (a.input_ids == b.input_ids).all()
+
+
+def test_bf16_autocast_changes_the_arithmetic_but_not_the_loss_materially(features, parts):
+    from hetero_spec.draft.model import DraftModel, init_weights
+    from hetero_spec.train.data import collate, load_split
+    from hetero_spec.train.loop import _Unrolled, _batch_loss, _draft_config
+
+    fp, emb, head = parts
+    split = load_split(features, max_len=1024, held_out=0.0, seed=0)
+    d2t = torch.arange(512) * 7
+    model = init_weights(DraftModel(_draft_config(BASE, fp, d2t)), 0)
+    model.d2t = d2t
+    model.attach_target_weights(emb, head)
+    d2t_index = torch.full((fp.n_vocab,), -1, dtype=torch.long)
+    d2t_index[d2t] = torch.arange(512)
+    batch = collate(split.train[:3])
+    losses = [_batch_loss(_Unrolled(model, 2), model, batch, d2t_index, BASE, 0.0, bf16)[0].item() for bf16 in (False, True)]
+    assert losses[0] != losses[1]
+    assert abs(losses[0] - losses[1]) < 0.02 * abs(losses[0])
