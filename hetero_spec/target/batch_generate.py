@@ -4,8 +4,8 @@ WHY: one token of one sequence leaves a 2-core CPU mostly waiting on memory; dec
 token for each of N sequences in the same batch reads the weights once for N rows, so
 self-distillation data (``export-features --regenerate``) comes out several times faster.
 
-Continuous batching: each slot holds one prompt; every step packs the next prompt chunk of
-slots still prefilling and one token of every slot that is generating, at most
+Continuous batching: each slot holds one prompt; a step decodes either the next prompt chunk
+of one slot still prefilling or one token of every slot that is generating, at most
 ``max_rows`` rows (32 keeps llama.cpp on its batch-invariant kernels).  A finished slot
 takes the next prompt.  Sampling uses a per-prompt RNG, so results do not depend on
 which prompts happened to share a batch.
@@ -144,7 +144,13 @@ class BatchGenerator:
                         slots[s] = None
 
     def _fill_batch(self, slots: list[_Slot | None]) -> list[tuple[int, bool]]:
-        """Pack generating slots first (one row each), then prompt chunks; returns (slot, wants logits) per row."""
+        """One prompt chunk of one slot if any slot is still prefilling, else one row per generating
+        slot; returns (slot, wants logits) per row.
+
+        Never both in one decode: without a unified KV cache llama.cpp cuts a batch into
+        micro-batches holding the same number of tokens of every sequence in them
+        (``split_equal``), so a prompt chunk beside generating rows turned every step into
+        several graph runs and N sequences decoded no faster than one."""
         b, cap = self._batch, self.options.max_rows
         rows: list[tuple[int, bool]] = []
 
@@ -155,18 +161,20 @@ class BatchGenerator:
             b.n_seq_id[i] = 1
             rows.append((s, wants))
 
-        for s, slot in enumerate(slots):
-            if slot is not None and slot.pending is not None and len(rows) < cap:
-                add(s, slot.pending, slot.n_past, True)
-                slot.pending = None
-        for s, slot in enumerate(slots):
-            if slot is None or slot.fed >= len(slot.prompt) or len(rows) >= cap:
-                continue
-            take = min(cap - len(rows), len(slot.prompt) - slot.fed)
+        prefilling = [s for s, slot in enumerate(slots) if slot is not None and slot.fed < len(slot.prompt)]
+        if prefilling:
+            s = prefilling[0]
+            slot = slots[s]
+            take = min(cap, len(slot.prompt) - slot.fed)
             for k in range(take):
                 pos = slot.fed + k
                 add(s, slot.prompt[pos], pos, pos == len(slot.prompt) - 1)
             slot.fed += take
+        else:
+            for s, slot in enumerate(slots):
+                if slot is not None and slot.pending is not None and len(rows) < cap:
+                    add(s, slot.pending, slot.n_past, True)
+                    slot.pending = None
         b.raw.n_tokens = len(rows)
         return rows
 

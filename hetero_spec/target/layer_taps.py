@@ -85,6 +85,7 @@ class LayerTapTarget:
         if skip_head:
             self._wanted.update(dict.fromkeys(RESULT_NORM, FINAL))
         self._captured: dict[int, np.ndarray] = {}
+        self._pending_error: BaseException | None = None
         self._callback = C.ggml_backend_sched_eval_callback(self._on_tensor)  # keep a reference
         params = C.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
@@ -102,6 +103,15 @@ class LayerTapTarget:
         self._batch = BatchHandle(n_batch)
 
     def _on_tensor(self, tensor, ask, user_data) -> bool:  # noqa: ARG002
+        # An exception cannot cross the C frames (ctypes would print and drop it, Ctrl-C
+        # included): keep it, stop the graph, and re-raise once llama_decode has returned.
+        try:
+            return self._observe(tensor, ask)
+        except BaseException as exc:  # noqa: BLE001
+            self._pending_error = exc
+            return False
+
+    def _observe(self, tensor, ask: bool) -> bool:
         name = self._ggml.ggml_get_name(tensor)
         layer = self._wanted.get(name)
         if ask:
@@ -137,7 +147,11 @@ class LayerTapTarget:
             b.token[:n], b.pos[:n], b.output[:n] = chunk, np.arange(a, a + n, dtype=np.int32), 1
             b.raw.n_tokens = n
             self._captured.clear()
-            _ffi.check_decode(C.llama_decode(self._ctx, b.raw))
+            self._pending_error = None
+            status = C.llama_decode(self._ctx, b.raw)
+            if self._pending_error is not None:
+                raise self._pending_error
+            _ffi.check_decode(status)
             if self.skip_head:
                 if FINAL not in self._captured:
                     raise TargetError("llama.cpp did not expose the final-norm hidden state for this architecture")

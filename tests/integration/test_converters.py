@@ -284,3 +284,26 @@ def test_disk_full_keeps_completed_shards_and_resumes(model_path, source, tmp_pa
     export_features(base)
     a, b = list(iter_sequences(base.out)), list(iter_sequences(part.out))
     assert len(a) == len(b) == 7 and all(np.array_equal(x.hidden, y.hidden) for x, y in zip(a, b))
+
+
+def test_ctrl_c_inside_the_eval_callback_reaches_the_caller(model_path, monkeypatch):
+    """ctypes drops exceptions raised in callbacks; Ctrl-C must still stop the export, not turn into an error."""
+    from hetero_spec.target.layer_taps import LayerTapTarget
+
+    with LayerTapTarget(model_path, (), n_ctx=256, n_threads=THREADS, skip_head=True) as t:
+        calls = {"n": 0}
+        real = t._observe
+
+        def interrupt(tensor, ask):
+            if not ask:
+                calls["n"] += 1
+                raise KeyboardInterrupt
+            return real(tensor, ask)
+
+        monkeypatch.setattr(t, "_observe", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            t.run(list(range(100, 140)))
+        assert calls["n"] == 1  # the graph stopped at the first observed node
+        monkeypatch.setattr(t, "_observe", real)
+        hidden, _ = t.run(list(range(100, 140)))  # and the context still works
+        assert hidden.shape == (40, 576) and np.isfinite(hidden).all()
