@@ -70,6 +70,7 @@ class DraftCache:
     k: list[torch.Tensor]  # per block [1, n_kv, max_pos, hd]
     v: list[torch.Tensor]
     log_gate: list[torch.Tensor]  # per block [max_pos] float32 (zeros without a gate)
+    holes: torch.Tensor  # [max_pos] float32 additive bias: -inf on skipped cells (no feature), else 0
     n: int = 0  # cells 0..n-1 are valid
 
 
@@ -121,6 +122,7 @@ class DraftRunner:
             k=[make() for _ in range(c.n_blocks)],
             v=[make() for _ in range(c.n_blocks)],
             log_gate=[torch.zeros(c.max_positions, device=self.device) for _ in range(c.n_blocks)],
+            holes=torch.zeros(c.max_positions, device=self.device),
         )
 
     @property
@@ -138,6 +140,15 @@ class DraftRunner:
         if not 0 <= n_keep <= self.cache.n:
             raise DraftError(f"draft rollback to {n_keep} outside 0..{self.cache.n}")
         self.cache.n = n_keep
+
+    def skip(self, n: int) -> None:
+        """Advance over ``n`` positions whose target features were never computed (a prompt
+        prefilled without embeddings): their cells stay out of every later attention."""
+        c = self.cache
+        if n < 0 or c.n + n > self.cfg.max_positions:
+            raise DraftError(f"draft cannot skip {n} positions from {c.n}")
+        c.holes[c.n : c.n + n] = float("-inf")
+        c.n += n
 
     @torch.inference_mode()
     def propose(self, features: np.ndarray, tokens: np.ndarray | list[int], k: int) -> list[int]:
@@ -305,6 +316,7 @@ class DraftRunner:
         tree's visibility ``tree_bias`` [T, L] when given -> predicted features [1, T, n_embd]."""
         model, cache = self.model, self.cache
         T = x.shape[1]
+        cache.holes[p0:L] = 0.0  # these cells get real states now
         for i, blk in enumerate(model.blocks):
             q, k, v, log_gate = blk.project(x, cos, sin)
             cache.k[i][:, :, p0:L] = k
@@ -320,8 +332,8 @@ class DraftRunner:
         return model.feature_out(x)
 
     def _bias(self, log_gate: torch.Tensor, T: int, L: int, gated: bool) -> torch.Tensor:
-        """Additive attention bias [1, 1, T, L]: causal, plus log s_j, plus the denoising mask."""
-        bias = log_gate if gated else self._zeros[:L]
+        """Additive attention bias [1, 1, T, L]: causal, plus log s_j, plus the denoising mask and holes."""
+        bias = (log_gate if gated else self._zeros[:L]) + self.cache.holes[:L]
         if gated and self._log_threshold is not None and L > self.denoise.recent_window:
             old = L - self.denoise.recent_window  # keys before this index may be dropped
             bias = bias.clone()

@@ -29,7 +29,8 @@ class Target(Protocol):
 
     @property
     def n_past(self) -> int: ...
-    def prefill(self, tokens: list[int], max_reuse: int | None = None) -> tuple[np.ndarray | None, np.ndarray]: ...
+    def prefill(self, tokens: list[int], max_reuse: int | None = None,
+                hidden_from: int | None = None) -> tuple[np.ndarray | None, np.ndarray]: ...
     def verify(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]: ...
     def rollback(self, n_keep: int) -> None: ...
     def verify_tree(self, tokens: np.ndarray, depths: np.ndarray, seq_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]: ...
@@ -49,6 +50,7 @@ class Draft(Protocol):
                      depth: int, sampling: SamplingConfig | None, rng: np.random.Generator | None,
                      p_min: float): ...  # -> TreeProposal (tokens, parents, q, n_real)
     def rollback(self, n_keep: int) -> None: ...
+    def skip(self, n: int) -> None: ...
 
 
 @dataclass
@@ -75,6 +77,7 @@ class KVMismatch(RuntimeError):
 class Policy(Protocol):
     def choose(self) -> Shape: ...
     def observe(self, drafted_depth: int, accepted: int) -> None: ...
+    def expects_drafting(self) -> bool: ...
 
 
 def generate_tokens(
@@ -99,7 +102,11 @@ def generate_tokens(
     rng = np.random.default_rng(sampling.seed)
     speculative = draft is not None and (draft_len > 0 or policy is not None)
     target.set_embeddings(speculative)
-    hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative else None)
+    # A policy that does not expect to draft soon (auto with a draft that has not been paying)
+    # gets the prompt's last row only: the other rows would each pay the LM head for nothing.
+    lazy = speculative and policy is not None and not policy.expects_drafting()
+    hidden_from = len(prompt) - 1 if lazy else None
+    hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative else None, hidden_from=hidden_from)
     x = _pick(logits, sampling, rng)
     left = max_new_tokens - 1
     stop = _stop_reason(target, x, left)
@@ -111,7 +118,10 @@ def generate_tokens(
         return
     keep = len(prompt) - len(hidden)
     draft.rollback(keep)
-    pending = _Pending(hidden, list(prompt[keep + 1 :]) + [x])
+    real = max(keep, hidden_from or 0)  # first position with a computed feature
+    if real > keep:
+        draft.skip(real - keep)
+    pending = _Pending(hidden[real - keep :], list(prompt[real + 1 :]) + [x])
     general = policy is not None or not sampling.greedy or p_min > 0
     if general and policy is None:
         policy = FixedPolicy(Shape(draft_len))

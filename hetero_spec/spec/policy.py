@@ -52,6 +52,9 @@ class FixedPolicy:
     def observe(self, drafted_depth: int, accepted: int) -> None:
         pass
 
+    def expects_drafting(self) -> bool:
+        return self.shape.depth > 0
+
 
 @dataclass
 class AcceptanceStats:
@@ -110,22 +113,38 @@ def best_shape(curve: Curve, alphas: list[float], width: int, total: int, max_de
 
 
 class AutoPolicy:
-    """Chooses the depth each round from the cost curve and the running acceptance statistics."""
+    """Chooses the depth each round from the cost curve and the running acceptance statistics.
+
+    While plain rounds win it probes with one cheap drafted round every ``probe_every`` plain
+    rounds; each probe that finds nothing accepted doubles that gap (up to ``max_probe_gap``),
+    since a probe costs a two-row verification and the draft's catch-up on every row since
+    the last one.  An accepted probe resets the gap.
+    """
 
     def __init__(self, curve: Curve, *, width: int = 1, total: int = 0, max_depth: int = 8,
-                 probe_every: int = 16, decay: float = 0.95) -> None:
+                 probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95) -> None:
         self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
         self.stats = AcceptanceStats(max_depth, decay=decay)
-        self.probe_every = probe_every
+        self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
+        self._probe_gap = probe_every
         self._plain_streak = 0
+        self._probing = False
+
+    def _best(self) -> Shape:
+        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
+        return best_shape(self.curve, alphas, self.width, self.total, self.max_depth)[0]
+
+    def expects_drafting(self) -> bool:
+        return self._best().depth > 0
 
     def choose(self) -> Shape:
-        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
-        shape, _ = best_shape(self.curve, alphas, self.width, self.total, self.max_depth)
+        shape = self._best()
+        self._probing = False
         if shape.depth == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self.probe_every:  # keep learning whether the draft got useful
+            if self._plain_streak >= self._probe_gap:  # keep learning whether the draft got useful
                 self._plain_streak = 0
+                self._probing = True
                 return Shape(1, 1)
             return shape
         self._plain_streak = 0
@@ -134,3 +153,5 @@ class AutoPolicy:
     def observe(self, drafted_depth: int, accepted: int) -> None:
         if drafted_depth > 0:
             self.stats.observe(drafted_depth, accepted)
+        if self._probing:
+            self._probe_gap = self.probe_every if accepted else min(2 * self._probe_gap, self.max_probe_gap)

@@ -200,7 +200,8 @@ class LlamaTarget:
             C.llama_set_embeddings(self._ctx.ptr, on)
             self.embeddings = on
 
-    def prefill(self, tokens: list[int], max_reuse: int | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+    def prefill(self, tokens: list[int], max_reuse: int | None = None,
+                hidden_from: int | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """Make the KV cache hold exactly ``tokens``, reusing a cached prefix.
 
         Returns the hidden states of the rows decoded now (``[n_new, n_embd] float32``,
@@ -208,6 +209,11 @@ class LlamaTarget:
         and the logits of the last row (``[n_vocab] float32``).  The last shared token is
         decoded again, so a draft that must rebuild its cell there gets its feature;
         ``max_reuse`` caps the reuse where the draft's own cache is shorter.
+
+        ``hidden_from``: the caller needs hidden states only from this position on.  Micro-batches
+        ending before it are decoded with embeddings off, so only their last row pays the LM
+        head (with pooling NONE every row of an embeddings batch does); their rows come back as
+        zeros.  The KV cells and the last row's logits are the same either way (tested).
         """
         if not tokens:
             raise TargetError("empty prompt")
@@ -222,12 +228,19 @@ class LlamaTarget:
         hidden_parts: list[np.ndarray] = []
         logits = None
         step = self.options.n_batch
-        for start in range(keep, len(tokens), step):
-            chunk = tokens[start : start + step]
-            logits_rows, hidden_rows = self._decode(chunk)
-            if hidden_rows is not None:
-                hidden_parts.append(hidden_rows.copy())
-            logits = logits_rows[-1].copy()
+        wanted = self.embeddings
+        try:
+            for start in range(keep, len(tokens), step):
+                chunk = tokens[start : start + step]
+                needed = wanted and (hidden_from is None or start + len(chunk) > hidden_from)
+                self.set_embeddings(needed)
+                logits_rows, hidden_rows = self._decode(chunk)
+                if wanted:
+                    hidden_parts.append(hidden_rows.copy() if needed
+                                        else np.zeros((len(chunk), self.n_embd), dtype=np.float32))
+                logits = logits_rows[-1].copy()
+        finally:
+            self.set_embeddings(wanted)
         hidden = np.concatenate(hidden_parts) if hidden_parts else None
         return hidden, logits
 

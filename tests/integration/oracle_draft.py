@@ -28,6 +28,9 @@ class OracleDraft:
         assert 0 <= n_keep <= self.n
         del self.cell_tokens[n_keep:]
 
+    def skip(self, n: int) -> None:
+        self.cell_tokens.extend([-1] * n)  # positions whose features were never computed
+
     def propose(self, features: np.ndarray, tokens, k: int) -> list[int]:
         assert features.shape[0] == len(tokens) and features.dtype == np.float32
         self.features_seen += features.shape[0]

@@ -50,6 +50,22 @@ def test_prefix_reuse_equals_fresh_prefill(target):
     assert_prefix_reuse_equals_fresh_prefill(target)
 
 
+def test_prefill_without_hidden_states_for_early_rows_changes_nothing_else(target):
+    """hidden_from: early micro-batches decode with embeddings off; KV, last logits and later rows stay bit-identical."""
+    prompt = target.tokenize(" ".join(bench_prompts("alpaca", 4)))[:100]
+    extra = target.tokenize(" and the answer is", add_special=False)
+    target.reset()
+    h_full, l_full = target.prefill(prompt)
+    v_full = target.verify(extra)[0].copy()
+    target.reset()
+    h_lazy, l_lazy = target.prefill(prompt, hidden_from=70)
+    assert target.embeddings  # restored
+    np.testing.assert_array_equal(l_lazy, l_full)
+    np.testing.assert_array_equal(h_lazy[64:], h_full[64:])  # the 32-row batch holding row 70 on
+    assert not h_lazy[:64].any()  # the two batches before it: not computed
+    np.testing.assert_array_equal(target.verify(extra)[0], v_full)  # same KV cells
+
+
 def test_kv_after_many_rounds_equals_fresh_decode(target, hs):
     """After speculative rounds with rollbacks, the cache is exactly a fresh decode of the accepted text."""
     p = bench_prompts("mt_bench", 3)[2]

@@ -153,3 +153,29 @@ def test_int8_runner_proposes_like_float_runner_mostly():
     b = DraftRunner(m, device="cpu", dtype="int8")
     fa, fb = run_rows(a, feats, toks), run_rows(b, feats, toks)
     assert ((fa - fb).norm() / fa.norm()) < 0.1
+
+
+def test_skipped_positions_take_no_attention():
+    """Cells skipped for want of features are masked: with RoPE only relative positions count, so rows
+    placed after a hole of 5 behave like the same rows from position 0; garbage in those cells would not."""
+    m = make_model()
+    rng = np.random.default_rng(2)
+    feats = rng.standard_normal((7, D)).astype(np.float32)
+    toks = rng.integers(0, V, 7)
+    holed = DraftRunner(m, device="cpu", dtype="float32")
+    holed.skip(5)
+    assert holed.n == 5
+    out = run_rows(holed, feats, toks)
+    fresh = run_rows(DraftRunner(make_model(), device="cpu", dtype="float32"), feats, toks)
+    torch.testing.assert_close(out, fresh, rtol=1e-4, atol=1e-4)
+    filled = DraftRunner(make_model(), device="cpu", dtype="float32")
+    run_rows(filled, rng.standard_normal((5, D)).astype(np.float32), rng.integers(0, V, 5))
+    assert not torch.allclose(run_rows(filled, feats, toks), fresh, atol=1e-3)
+    holed.rollback(2)  # cells rewritten after a rollback are real again
+    run_rows(holed, feats[:3], toks[:3])
+    ref = DraftRunner(make_model(), device="cpu", dtype="float32")
+    ref.skip(2)
+    run_rows(ref, feats[:3], toks[:3])
+    torch.testing.assert_close(run_rows(holed, feats[3:], toks[3:]), run_rows(ref, feats[3:], toks[3:]))
+    with pytest.raises(Exception):
+        holed.skip(10_000)

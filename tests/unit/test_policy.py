@@ -57,3 +57,33 @@ def test_tree_width_costs_more_rows():
     assert Shape(6, 2, 12).tokens == 12 and Shape(6, 3, 12).tokens == 12 and Shape(2, 2).tokens == 4
     shape, _ = best_shape(c, [0.9] * 8, 2, 12, 8)
     assert shape.width == 2 and shape.depth >= 1
+
+
+def test_failed_probes_back_off_and_an_accepted_probe_resets_the_gap():
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=32, decay=1.0)
+    for _ in range(50):  # a draft that is never accepted
+        policy.observe(1, 0)
+    assert not policy.expects_drafting()
+    gaps, streak = [], 0
+    for _ in range(200):
+        d = policy.choose().depth
+        streak += 1
+        if d:
+            gaps.append(streak)
+            streak = 0
+        policy.observe(d, 0)
+    assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {32}
+
+    def next_gap(accept: int) -> int:
+        n = 0
+        while True:
+            n += 1
+            d = policy.choose().depth
+            policy.observe(d, accept if d else 0)
+            if d:
+                return n
+
+    next_gap(0)  # finish the streak the loop above left open
+    assert next_gap(1) == 32  # this probe is accepted ...
+    assert not policy.expects_drafting() and next_gap(0) == 4  # ... so the gap is back to probe_every
