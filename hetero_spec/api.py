@@ -23,7 +23,7 @@ from .spec.policy import AutoPolicy, FixedPolicy, Shape
 
 QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
-from .target.llama_target import LlamaTarget, TargetOptions
+from .target.llama_target import DEFAULT_KV_TYPE, LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 
 
@@ -62,8 +62,10 @@ class HeteroSpec:
         draft_device: str = "auto",
         draft_dtype: str = "auto",
         denoise: DenoiseConfig = DenoiseConfig(),
+        kv_type: str = DEFAULT_KV_TYPE,
     ) -> None:
-        self.target = LlamaTarget(target, TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None))
+        self.target = LlamaTarget(target, TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None,
+                                                              kv_type=kv_type))
         self.draft = None
         self.draft_path = draft
         self._curve = None  # cost curve for auto sizing, loaded or measured on first use

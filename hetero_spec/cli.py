@@ -43,11 +43,14 @@ def cli() -> None:
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16")
 @click.option("--denoise", default=0.0, show_default=True, type=float, help="drop draft keys whose importance gate is below this")
+@click.option("--kv-type", default="q8_0", show_default=True,
+              help="target KV cells: q8_0 keeps greedy output bit-identical to plain decoding at any length; "
+                   "f16 (llama.cpp's default) differs past 256 cells with 2+ threads")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
 def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tree_depth, tree_top_k, temperature,
         top_k, top_p, min_p, seed, draft_p_min, no_draft, threads, ctx, draft_device, draft_dtype,
-        denoise, stop, stats_json) -> None:
+        denoise, kv_type, stop, stats_json) -> None:
     """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens."""
     from .api import HeteroSpec
     from .config import SamplingConfig, TreeSpec, parse_draft_len
@@ -58,7 +61,7 @@ def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tr
                    tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
                    sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed))
     with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
-                    draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise)) as hs:
+                    draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise), kv_type=kv_type) as hs:
         if prompt is not None:
             _one_turn(hs, prompt, chat, options, stats_json, history=None)
             return

@@ -17,10 +17,11 @@ import numpy as np
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--threads", default=2, show_default=True)
 @click.option("--flash-attn", default=-1, show_default=True, help="-1 auto, 0 off, 1 on")
-def main(model: str, threads: int, flash_attn: int) -> None:
+@click.option("--kv-type", default="f16", show_default=True, help="KV cell type (f16, q8_0, ...)")
+def main(model: str, threads: int, flash_attn: int, kv_type: str) -> None:
     from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
-    with LlamaTarget(model, TargetOptions(n_ctx=2048, n_threads=threads, flash_attn=flash_attn)) as t:
+    with LlamaTarget(model, TargetOptions(n_ctx=2048, n_threads=threads, flash_attn=flash_attn, kv_type=kv_type)) as t:
         for plen in (100, 250, 260, 300, 700, 1500):
             prompt, extra = list(range(1000, 1000 + plen)), list(range(3000, 3005))
             t.reset()

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import TreeSpec
+from ..target.llama_target import DEFAULT_KV_TYPE, kv_type_id
 from ..records import Round
 
 
@@ -50,6 +51,7 @@ class BenchTarget:
     draft_dtype: str = "auto"
     lookup_tokens: int = 2  # llama-cpp-python's advice for CPU-only machines (10 is its GPU default)
     tree: TreeSpec = TreeSpec()  # the shape of the ``tree`` method (the bounds of ``auto-tree``)
+    kv_type: str = DEFAULT_KV_TYPE  # every method's KV cells, so that all compute the same numbers
 
 
 class RawRun:
@@ -59,7 +61,8 @@ class RawRun:
         from ..target.raw_loop import RawGreedy
 
         self.target = hs.target
-        self.loop = RawGreedy(hs.target._model, n_ctx=hs.target.n_ctx, n_threads=hs.target.n_threads)
+        self.loop = RawGreedy(hs.target._model, n_ctx=hs.target.n_ctx, n_threads=hs.target.n_threads,
+                              kv_type=kv_type_id(hs.target.options.kv_type))
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
         t0 = time.perf_counter()
@@ -91,6 +94,7 @@ class LlamaCppRun:
             # raw baseline) picks it automatically (on, on CPUs): different attention kernels,
             # different logits, different greedy text on about one prompt in four.  Same kernels here.
             flash_attn=True,
+            type_k=kv_type_id(bt.kv_type), type_v=kv_type_id(bt.kv_type),
         )
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:

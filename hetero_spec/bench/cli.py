@@ -34,9 +34,11 @@ def _split(value: str) -> tuple[str, ...]:
               help="drafted nodes per tree (methods tree, auto-tree)")
 @click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth")
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
+@click.option("--kv-type", default="q8_0", show_default=True,
+              help="KV cells of every method (q8_0 keeps verification bit-identical to plain decoding; f16 is llama.cpp's default)")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
-          lookup_tokens, tree_tokens, tree_depth, tree_top_k, out) -> None:
+          lookup_tokens, tree_tokens, tree_depth, tree_top_k, kv_type, out) -> None:
     """Time raw llama.cpp, llama-cpp-python and hetero-spec side by side on the same prompts."""
     from tqdm import tqdm
 
@@ -49,7 +51,7 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
     cfg = BenchConfig(
         target=BenchTarget(model, draft, threads=threads or default_threads(), n_ctx=ctx, k=k,
                            draft_device=draft_device, draft_dtype=draft_dtype, lookup_tokens=lookup_tokens,
-                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k)),
+                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k), kv_type=kv_type),
         datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
     )
     if not cfg.datasets or not cfg.methods:

@@ -43,7 +43,8 @@ class BenchContext:
 
         self.target = target
         self.hs = HeteroSpec(target.model, target.draft, n_ctx=target.n_ctx, threads=target.threads,
-                             draft_device=target.draft_device, draft_dtype=target.draft_dtype)
+                             draft_device=target.draft_device, draft_dtype=target.draft_dtype,
+                             kv_type=target.kv_type)
         self._closers: list[Callable[[], None]] = []
 
     def hetero_run(self, **options: Any) -> HeteroSpecRun:
@@ -247,6 +248,7 @@ def _meta(cfg: BenchConfig, ctx: BenchContext, methods: list[str], threads: int)
         "machine": machine_id(threads),
         "threads": threads,
         "k": t.k,
+        "kv_type": t.kv_type,
         "tree": asdict(t.tree),
         "prompt_lookup_tokens": t.lookup_tokens,
         "max_new_tokens": cfg.max_new_tokens,

@@ -81,7 +81,7 @@ def markdown(result: "BenchResult") -> str:
         "",
         f"- target: {meta['target_label']}",
         f"- draft: {meta['draft'] or '-'}; k = {meta['k']}; tree = {_tree(meta.get('tree'))}; "
-        f"prompt-lookup tokens = {meta['prompt_lookup_tokens']}",
+        f"prompt-lookup tokens = {meta['prompt_lookup_tokens']}; KV cells {meta.get('kv_type', 'f16')}",
         f"- machine: {meta['machine']}",
         f"- {meta['n_prompts']} prompts per dataset, {meta['max_new_tokens']} new tokens, greedy; {meta['date']}",
         f"- {meta['timing']}",

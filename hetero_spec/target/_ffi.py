@@ -107,6 +107,7 @@ class ContextHandle:
         n_seq_max: int = 1,
         kv_unified: bool = False,
         flash_attn: int | None = None,
+        kv_type: int | None = None,
     ) -> None:
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -120,6 +121,8 @@ class ContextHandle:
         params.kv_unified = kv_unified
         if flash_attn is not None:  # -1 auto, 0 off, 1 on (llama_flash_attn_type)
             params.flash_attn_type = flash_attn
+        if kv_type is not None:  # ggml_type of both K and V cells (llama.cpp's default is F16)
+            params.type_k = params.type_v = kv_type
         params.no_perf = True
         self.ptr = C.llama_init_from_model(model.ptr, params)
         if not self.ptr:

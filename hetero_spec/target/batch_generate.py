@@ -33,6 +33,7 @@ class GenerateOptions:
     max_rows: int = 32  # rows per llama_decode
     n_threads: int = 0
     hidden: bool = False  # also return every row's final-norm hidden state (embeddings on)
+    kv_type: str = "q8_0"  # as LlamaTarget's default, so that regenerated answers equal its greedy ones
 
 
 @dataclass
@@ -55,7 +56,7 @@ class BatchGenerator:
     """Owns a model and a multi-sequence context; ``generate`` streams (key, answer ids)."""
 
     def __init__(self, path: str | Path, options: GenerateOptions = GenerateOptions()) -> None:
-        from .llama_target import default_threads
+        from .llama_target import default_threads, kv_type_id
 
         self.options = options
         self._model = ModelHandle(Path(path))
@@ -65,7 +66,7 @@ class BatchGenerator:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
                                       n_threads=options.n_threads or default_threads(), embeddings=options.hidden,
-                                      n_seq_max=options.n_seq)
+                                      n_seq_max=options.n_seq, kv_type=kv_type_id(options.kv_type))
             self.n_embd = C.llama_model_n_embd(self._model.ptr)
             self._batch = BatchHandle(options.max_rows, n_seq_max=1)
         except BaseException:

@@ -53,6 +53,22 @@ class TargetOptions:
     flash_attn: int = -1  # llama_flash_attn_type: -1 auto (on for the CPU), 0 off, 1 on
     # KV cells beyond n_ctx for the rejected branches of trees (see ``keep_branch``).
     tree_spare_cells: int = 1024
+    # KV cell type.  With llama.cpp's default F16 cells and 2+ threads, its CPU flash attention
+    # splits a one-token decode over >256 cells across threads (the split-KV path) but never a
+    # multi-row decode, so plain decoding and verification then differ in the last bits and
+    # near-ties flip.  Quantized cells never take that path: with q8_0 (the default here, also
+    # half the memory) verification is bit-identical to plain decoding at any length.
+    kv_type: str = "q8_0"
+
+
+KV_TYPES = ("q8_0", "f16", "q4_0", "bf16", "f32")
+DEFAULT_KV_TYPE = "q8_0"
+
+
+def kv_type_id(name: str) -> int:
+    if name.lower() not in KV_TYPES:
+        raise TargetError(f"unknown KV cache type {name!r} (use {', '.join(KV_TYPES)})")
+    return getattr(C, f"GGML_TYPE_{name.upper()}")
 
 
 class LlamaTarget:
@@ -91,6 +107,7 @@ class LlamaTarget:
                 n_seq_max=options.n_seq_max,
                 kv_unified=options.kv_unified,
                 flash_attn=options.flash_attn,
+                kv_type=kv_type_id(options.kv_type),
             )
             # llama.cpp may round the context up; the limit callers asked for is what we enforce
             self.n_ctx = min(options.n_ctx, C.llama_n_ctx(self._ctx.ptr))

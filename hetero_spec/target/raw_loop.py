@@ -14,8 +14,10 @@ from ._ffi import C, ContextHandle, ModelHandle
 
 
 class RawGreedy:
-    def __init__(self, model: ModelHandle, *, n_ctx: int, n_threads: int, n_batch: int = 32) -> None:
-        self.ctx = ContextHandle(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, embeddings=False)
+    def __init__(self, model: ModelHandle, *, n_ctx: int, n_threads: int, n_batch: int = 32,
+                 kv_type: int | None = None) -> None:
+        self.ctx = ContextHandle(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, embeddings=False,
+                                 kv_type=kv_type)
         self.n_vocab = C.llama_vocab_n_tokens(model.vocab)
         self.vocab = model.vocab
         self.n_batch = n_batch

@@ -27,7 +27,7 @@ def test_auto_picks_the_sweeps_optimum(t1, slope, step, alpha):
     c = curve(t1, slope, step)
     sweep = {k: simulated_rate(c, alpha, Shape(k)) for k in range(0, 9)}
     best_k = max(sweep, key=sweep.get)
-    policy = AutoPolicy(c, max_depth=8, decay=1.0)
+    policy = AutoPolicy(c, max_depth=8, decay=1.0, min_gain=1.0)
     rng = np.random.default_rng(0)
     for _ in range(3000):  # acceptance statistics from rounds drafted at depth 8
         a = 0
@@ -40,6 +40,18 @@ def test_auto_picks_the_sweeps_optimum(t1, slope, step, alpha):
     chosen = policy.choose().depth
     assert sweep[chosen] >= 0.98 * sweep[best_k]
     assert abs(chosen - best_k) <= 1
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.9])
+def test_a_marginal_gain_is_not_worth_drafting(alpha):
+    """min_gain: drafting must promise that much more than plain rounds, else plain rounds."""
+    c = curve(10.0, 4.0, 0.9)
+    sweep = {k: simulated_rate(c, alpha, Shape(k)) for k in range(0, 9)}
+    best_k = max(sweep, key=sweep.get)
+    gain = sweep[best_k] / sweep[0]
+    shape, _ = best_shape(c, [alpha] * 8, 1, 0, 8, min_gain=1.08)
+    assert shape.depth == (best_k if gain >= 1.08 else 0)
+    assert (alpha == 0.6) == (gain < 1.08)  # both branches are exercised
 
 
 def test_auto_falls_back_to_plain_rounds_when_drafts_are_rejected():
