@@ -71,21 +71,12 @@ def test_tree_width_costs_more_rows():
     assert shape.width == 2 and shape.depth >= 1
 
 
-def test_failed_probes_back_off_and_an_accepted_probe_resets_the_gap():
+def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     c = curve(10.0, 3.0, 0.9)
-    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=32, decay=1.0)
+    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0)
     for _ in range(50):  # a draft that is never accepted
         policy.observe(1, 0)
     assert not policy.expects_drafting()
-    gaps, streak = [], 0
-    for _ in range(200):
-        d = policy.choose().depth
-        streak += 1
-        if d:
-            gaps.append(streak)
-            streak = 0
-        policy.observe(d, 0)
-    assert gaps[:4] == [4, 8, 16, 32] and set(gaps[4:]) == {32}
 
     def next_gap(accept: int) -> int:
         n = 0
@@ -96,6 +87,9 @@ def test_failed_probes_back_off_and_an_accepted_probe_resets_the_gap():
             if d:
                 return n
 
-    next_gap(0)  # finish the streak the loop above left open
-    assert next_gap(1) == 32  # this probe is accepted ...
-    assert not policy.expects_drafting() and next_gap(0) == 4  # ... so the gap is back to probe_every
+    assert [next_gap(0) for _ in range(6)] == [4, 8, 16, 32, 64, 64]
+    assert next_gap(1) == 64 and policy.probe_gap == 64  # one accepted probe does not make drafting pay
+    for _ in range(200):  # the draft got good (statistics from drafted rounds)
+        policy.stats.observe(4, 4)
+    policy._best_shape = None
+    assert policy.choose().depth > 0 and policy.probe_gap == 4
