@@ -78,8 +78,7 @@ def _parse_layers(ctx, param, value: str | None) -> tuple[int, ...]:
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
 @click.option("--shard-mb", default=256, show_default=True, type=click.IntRange(1), help="shard size")
 @click.option("--prefill-batch", default=512, show_default=True, type=click.IntRange(1, 4096),
-              help="rows per llama.cpp micro-batch; 32 = bit-identical to the runtime's features, "
-                   "512 = large-batch kernels, 1.4-1.6x faster, within ~3%% RMS")
+              help="rows per llama.cpp micro-batch (with q8_0 KV cells any size gives the runtime's features)")
 @click.option("--hf-model", type=click.Path(file_okay=False, path_type=Path),
               help="extract hidden states with transformers from this HF checkpoint instead of MODEL (GGUF)")
 def export_features(model, out_dir, source, limit, offset, seed, shard, regenerate, temperature, max_new_tokens,

@@ -62,7 +62,7 @@ class RawRun:
 
         self.target = hs.target
         self.loop = RawGreedy(hs.target._model, n_ctx=hs.target.n_ctx, n_threads=hs.target.n_threads,
-                              kv_type=kv_type_id(hs.target.options.kv_type))
+                              kv_type=kv_type_id(hs.target.options.kv_type, hs.target._model))
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
         t0 = time.perf_counter()

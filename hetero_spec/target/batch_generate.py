@@ -66,7 +66,7 @@ class BatchGenerator:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
                                       n_threads=options.n_threads or default_threads(), embeddings=options.hidden,
-                                      n_seq_max=options.n_seq, kv_type=kv_type_id(options.kv_type))
+                                      n_seq_max=options.n_seq, kv_type=kv_type_id(options.kv_type, self._model))
             self.n_embd = C.llama_model_n_embd(self._model.ptr)
             self._batch = BatchHandle(options.max_rows, n_seq_max=1)
         except BaseException:

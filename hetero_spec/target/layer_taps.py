@@ -93,7 +93,7 @@ class LayerTapTarget:
         params.embeddings = True
         params.pooling_type = C.LLAMA_POOLING_TYPE_NONE
         params.no_perf = True
-        params.type_k = params.type_v = kv_type_id(kv_type or DEFAULT_KV_TYPE)  # as LlamaTarget
+        params.type_k = params.type_v = kv_type_id(kv_type or DEFAULT_KV_TYPE, self._model)  # as LlamaTarget
         params.cb_eval = self._callback
         params.cb_eval_user_data = None
         self._ctx = C.llama_init_from_model(self._model.ptr, params)

@@ -65,9 +65,15 @@ KV_TYPES = ("q8_0", "f16", "q4_0", "bf16", "f32")
 DEFAULT_KV_TYPE = "q8_0"
 
 
-def kv_type_id(name: str) -> int:
+def kv_type_id(name: str, model=None) -> int:
+    """The ggml type of KV cells ``name``; with ``model`` (a ModelHandle), F16 where the model's head
+    size is not a multiple of the quantized block (32), since llama.cpp cannot make such a cache."""
     if name.lower() not in KV_TYPES:
         raise TargetError(f"unknown KV cache type {name!r} (use {', '.join(KV_TYPES)})")
+    if model is not None and name.lower().startswith("q"):
+        head = C.llama_model_n_embd(model.ptr) // max(1, C.llama_model_n_head(model.ptr))
+        if head % 32:
+            return C.GGML_TYPE_F16
     return getattr(C, f"GGML_TYPE_{name.upper()}")
 
 
@@ -107,7 +113,7 @@ class LlamaTarget:
                 n_seq_max=options.n_seq_max,
                 kv_unified=options.kv_unified,
                 flash_attn=options.flash_attn,
-                kv_type=kv_type_id(options.kv_type),
+                kv_type=kv_type_id(options.kv_type, self._model),
             )
             # llama.cpp may round the context up; the limit callers asked for is what we enforce
             self.n_ctx = min(options.n_ctx, C.llama_n_ctx(self._ctx.ptr))

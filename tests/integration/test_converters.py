@@ -67,19 +67,19 @@ def test_hidden_states_equal_the_runtime_target(model_path, source, target, tmp_
             np.testing.assert_allclose(s.extras["topk_logprobs"][-1], lp[top], rtol=1e-3, atol=1e-3)  # float16
 
 
-def test_large_micro_batches_stay_close_to_the_runtime_features(model_path, target, tmp_path):
-    """The default 512-row micro-batches switch llama.cpp's kernels: not bitwise, but close."""
+def test_large_micro_batches_give_the_runtime_features(model_path, target, tmp_path):
+    """The default 512-row micro-batches over q8_0 KV cells (the default) give the runtime's 32-row
+    features bit for bit (with F16 cells the flash-attention tiling differed by ~3% RMS)."""
     long_text = " ".join(bench_prompts("mt_bench", 12))
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"conversations": [{"from": "human", "value": "Summarise this."},
                                                   {"from": "gpt", "value": long_text}]}) + "\n")
     export_features(cfg(model_path, tmp_path / "f", path))
     (s,) = list(iter_sequences(tmp_path / "f"))
-    assert len(s) > 200  # several hundred rows: the large-batch kernels do run
+    assert len(s) > 200  # several hundred rows in one micro-batch
     target.reset()
     hidden, _ = target.prefill(s.input_ids.tolist())
-    rel = np.sqrt(((s.hidden - hidden) ** 2).mean() / (hidden**2).mean())
-    assert 0 < rel < 0.06  # measured ~0.03
+    np.testing.assert_array_equal(s.hidden, hidden)
 
 
 def test_loss_mask_matches_the_template(model_path, source, target, tmp_path):
