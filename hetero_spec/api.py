@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .chat_template import render_chat
-from .config import DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec
+from .config import DEFAULT_KV_TYPE, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec
 from .errors import ContextFull, HeteroSpecError
 from .records import RunStats
 from .spec.orchestrator import generate_tokens
@@ -23,7 +23,7 @@ from .spec.policy import AutoPolicy, FixedPolicy, Shape
 
 QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
-from .target.llama_target import DEFAULT_KV_TYPE, LlamaTarget, TargetOptions
+from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .config import ConfigError, DenoiseConfig
+from .config import DEFAULT_KV_TYPE, KV_TYPES, ConfigError, DenoiseConfig
 from .errors import HeteroSpecError
 
 DEVICE_HELP = "where the draft runs: auto (CUDA when torch sees it), cpu, cuda or cuda:N"
@@ -43,7 +43,7 @@ def cli() -> None:
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16")
 @click.option("--denoise", default=0.0, show_default=True, type=float, help="drop draft keys whose importance gate is below this")
-@click.option("--kv-type", default="q8_0", show_default=True,
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
               help="target KV cells: q8_0 keeps greedy output bit-identical to plain decoding at any length; "
                    "f16 (llama.cpp's default) differs past 256 cells with 2+ threads")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")

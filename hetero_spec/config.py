@@ -113,6 +113,12 @@ def draft_config_for(fingerprint: TargetFingerprint, preset: str = "darter", **o
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
+# KV cell types of the target's llama.cpp contexts.  q8_0 is the default because quantized cells
+# keep verification bit-identical to plain decoding at any length (see TargetOptions.kv_type).
+KV_TYPES = ("q8_0", "f16", "q4_0", "bf16", "f32")
+DEFAULT_KV_TYPE = "q8_0"
+
+
 @dataclass(frozen=True)
 class DenoiseConfig:
     """DarterSD Boolean-mask denoising of the draft's attention at inference."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import TreeSpec
-from ..target.llama_target import DEFAULT_KV_TYPE, kv_type_id
+from ..config import DEFAULT_KV_TYPE, TreeSpec
+from ..target.llama_target import kv_type_id
 from ..records import Round
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from ..config import DEFAULT_KV_TYPE, KV_TYPES, TreeSpec
 from ..errors import HeteroSpecError
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -34,7 +35,7 @@ def _split(value: str) -> tuple[str, ...]:
               help="drafted nodes per tree (methods tree, auto-tree)")
 @click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth")
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
-@click.option("--kv-type", default="q8_0", show_default=True,
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
               help="KV cells of every method (q8_0 keeps verification bit-identical to plain decoding; f16 is llama.cpp's default)")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
@@ -43,7 +44,6 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
     from tqdm import tqdm
 
     from ..target.llama_target import default_threads
-    from ..config import TreeSpec
     from .baselines import BenchTarget
     from .harness import BASELINE, BenchConfig, load_dataset, run_bench
     from .report import markdown, write_bench

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..config import DEFAULT_KV_TYPE
 from ..errors import TargetError
 from . import _ffi
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
@@ -33,7 +34,7 @@ class GenerateOptions:
     max_rows: int = 32  # rows per llama_decode
     n_threads: int = 0
     hidden: bool = False  # also return every row's final-norm hidden state (embeddings on)
-    kv_type: str = "q8_0"  # as LlamaTarget's default, so that regenerated answers equal its greedy ones
+    kv_type: str = DEFAULT_KV_TYPE  # as LlamaTarget's, so that regenerated answers equal its greedy ones
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..config import DEFAULT_KV_TYPE
 from ..errors import TargetError
 from . import _ffi
 from ._ffi import C, BatchHandle, ModelHandle
@@ -64,8 +65,8 @@ class LayerTapTarget:
     """
 
     def __init__(self, path: str | Path, layers: tuple[int, ...], *, n_ctx: int = 2048, n_batch: int = 32,
-                 n_threads: int = 0, skip_head: bool = False, kv_type: str | None = None) -> None:
-        from .llama_target import DEFAULT_KV_TYPE, default_threads, kv_type_id
+                 n_threads: int = 0, skip_head: bool = False, kv_type: str = DEFAULT_KV_TYPE) -> None:
+        from .llama_target import default_threads, kv_type_id
 
         self._ggml = _libggml()
         self._model = ModelHandle(Path(path))
@@ -93,7 +94,7 @@ class LayerTapTarget:
         params.embeddings = True
         params.pooling_type = C.LLAMA_POOLING_TYPE_NONE
         params.no_perf = True
-        params.type_k = params.type_v = kv_type_id(kv_type or DEFAULT_KV_TYPE, self._model)  # as LlamaTarget
+        params.type_k = params.type_v = kv_type_id(kv_type, self._model)  # as LlamaTarget
         params.cb_eval = self._callback
         params.cb_eval_user_data = None
         self._ctx = C.llama_init_from_model(self._model.ptr, params)

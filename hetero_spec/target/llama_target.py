@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import TargetFingerprint
+from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint
 from . import _ffi
 from ..errors import ContextFull, TargetError
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
@@ -58,11 +58,7 @@ class TargetOptions:
     # multi-row decode, so plain decoding and verification then differ in the last bits and
     # near-ties flip.  Quantized cells never take that path: with q8_0 (the default here, also
     # half the memory) verification is bit-identical to plain decoding at any length.
-    kv_type: str = "q8_0"
-
-
-KV_TYPES = ("q8_0", "f16", "q4_0", "bf16", "f32")
-DEFAULT_KV_TYPE = "q8_0"
+    kv_type: str = DEFAULT_KV_TYPE
 
 
 def kv_type_id(name: str, model=None) -> int:
