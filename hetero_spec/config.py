@@ -139,7 +139,11 @@ class SamplingConfig:
 
     temperature 0 means greedy (exact equality with plain decoding); otherwise the output
     follows the target's distribution after top-k, top-p, min-p and temperature, and
-    ``seed`` makes a run reproducible.
+    ``seed`` makes a run reproducible from the same cache state (a new ``HeteroSpec``, or
+    after ``reset()``).  A call that reuses the cached prompt prefix of an earlier one
+    feeds the draft only the new rows, and a torch forward over one row and over many
+    round differently; the draft's q, and so which drafts are accepted, can then change,
+    while the output still follows the target's distribution.
     """
 
     temperature: float = 0.0

@@ -77,7 +77,7 @@ def register(method: Method) -> Method:
     return method
 
 
-register(Method("raw", "plain greedy loop on llama.cpp's low-level API (the baseline)",
+register(Method("raw", "plain greedy loop on llama.cpp's low-level API (the baseline), on hetero-spec's own context",
                 lambda c: c.own(RawRun(c.hs))))
 register(Method("llama-cpp", "llama-cpp-python high-level create_completion",
                 lambda c: c.own(LlamaCppRun(c.target, prompt_lookup=False))))

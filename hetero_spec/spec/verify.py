@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .sampling import sample
+
 
 def greedy_accept(draft: Sequence[int], target_argmax: np.ndarray) -> tuple[int, int]:
     """draft [k] ids; target_argmax [k+1] ids (argmax of p per verified row).
@@ -84,7 +86,7 @@ def reject_siblings(
             return i, int(c)
         p = residual_fn(p, q)
         q = without(q, c)
-    return None, _draw(p, rng)
+    return None, sample(p, rng)
 
 
 def sample_accept_tree(
@@ -107,14 +109,10 @@ def sample_accept_tree(
         kids = children[node]
         p = p_at(node)
         if not kids:
-            return path, _draw(p, rng)
+            return path, sample(p, rng)
         idx, tok = reject_siblings(p, q_at(node), [int(tokens[c]) for c in kids], rng, residual_fn)
         if idx is None:
             return path, tok
         node = kids[idx]
         path.append(node)
 
-
-def _draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    cum = np.cumsum(p)
-    return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), len(p) - 1))

@@ -119,6 +119,7 @@ class LlamaTarget:
             self.close()
             raise
         self.embeddings = options.embeddings
+        self._one = (C.llama_token * 1)()  # the token of a one-row decode
         self.tokens: list[int] = []  # the token ids whose cells are in the KV cache, in order
         self.trash_cells = 0  # rejected tree cells parked in TRASH_SEQ
         self._pieces: dict[int, bytes] = {}
@@ -354,6 +355,20 @@ class LlamaTarget:
         n0 = self.n_past
         n_keep = n0 + len(path_tokens)
         n_seqs = self._tree_seqs
+        if n_seqs == 1 and not self.trash_cells:
+            # A chain over a cache without parked cells: the rejected rows are the newest cells,
+            # so dropping them leaves no hole before a kept cell; this is the chain path's rollback.
+            if not C.llama_memory_seq_rm(mem, 0, n_keep, -1):
+                raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep}")
+        else:
+            self._park_rejected(mem, seq, n0, n_keep, n_seqs, len(path_tokens))
+        self.tokens.extend(int(t) for t in path_tokens)
+        if self.kv_pos_max() != n_keep - 1:
+            raise TargetError(f"after keeping a branch the KV ends at {self.kv_pos_max()}, expected {n_keep - 1}")
+
+    def _park_rejected(self, mem, seq: int, n0: int, n_keep: int, n_seqs: int, n_path: int) -> None:
+        """Sequence 0 becomes the prefix plus leaf sequence ``seq`` up to ``n_keep``; every other tree
+        cell moves to the trash sequence."""
         for s in range(n_seqs):  # every tree cell (and the prefix) also in the trash sequence
             C.llama_memory_seq_cp(mem, s, self.trash_seq, n0, -1)
         if seq != 0:
@@ -363,10 +378,7 @@ class LlamaTarget:
             C.llama_memory_seq_rm(mem, 0, n_keep, -1)
         for s in range(1, n_seqs):
             C.llama_memory_seq_rm(mem, s, -1, -1)
-        self.trash_cells += self._tree_rows - len(path_tokens)
-        self.tokens.extend(int(t) for t in path_tokens)
-        if self.kv_pos_max() != n_keep - 1:
-            raise TargetError(f"after keeping a branch the KV ends at {self.kv_pos_max()}, expected {n_keep - 1}")
+        self.trash_cells += self._tree_rows - n_path
 
     def seq_pos_max(self, seq: int) -> int:
         return C.llama_memory_seq_pos_max(self._ctx.memory, seq)
@@ -385,16 +397,23 @@ class LlamaTarget:
         b = self._batch
         if n > b.capacity:
             raise TargetError(f"batch of {n} tokens exceeds n_batch={b.capacity}")
-        start = self.n_past
-        b.token[:n] = tokens
-        b.pos[:n] = np.arange(start, start + n, dtype=np.int32)
-        if self.embeddings:
-            b.output[:n] = 1  # llama.cpp makes every row an output when embeddings are on
+        if n == 1:
+            # Plain decoding's one-token step through ``llama_batch_get_one`` (position and sequence 0
+            # filled in by llama.cpp from the cache, which holds exactly ``self.tokens``): measured
+            # 1% faster per token than the same decode through the explicit batch.
+            self._one[0] = int(tokens[0])
+            _ffi.check_decode(C.llama_decode(self._ctx.ptr, C.llama_batch_get_one(self._one, 1)))
         else:
-            b.output[:n] = 0
-            b.output[n - 1] = 1
-        b.raw.n_tokens = n
-        _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
+            start = self.n_past
+            b.token[:n] = tokens
+            b.pos[:n] = np.arange(start, start + n, dtype=np.int32)
+            if self.embeddings:
+                b.output[:n] = 1  # llama.cpp makes every row an output when embeddings are on
+            else:
+                b.output[:n] = 0
+                b.output[n - 1] = 1
+            b.raw.n_tokens = n
+            _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
         self.tokens.extend(int(t) for t in tokens)
         n_out = n if self.embeddings else 1
         logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n_out, self.n_vocab))

@@ -14,17 +14,21 @@ from ._ffi import C, ContextHandle, ModelHandle
 
 
 class RawGreedy:
+    """``ctx``: run on an existing context (embeddings off) instead of a new one; the caller owns it."""
+
     def __init__(self, model: ModelHandle, *, n_ctx: int, n_threads: int, n_batch: int = 32,
-                 kv_type: int | None = None) -> None:
-        self.ctx = ContextHandle(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, embeddings=False,
-                                 kv_type=kv_type)
+                 kv_type: int | None = None, ctx: ContextHandle | None = None) -> None:
+        self._owns_ctx = ctx is None
+        self.ctx = ctx or ContextHandle(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, embeddings=False,
+                                        kv_type=kv_type)
         self.n_vocab = C.llama_vocab_n_tokens(model.vocab)
         self.vocab = model.vocab
         self.n_batch = n_batch
         self.last_prefill_s = 0.0  # wall time of the last prompt's decode plus its first token
 
     def close(self) -> None:
-        self.ctx.close()
+        if self._owns_ctx:
+            self.ctx.close()
 
     def _decode(self, tokens: list[int]) -> None:
         arr = (C.llama_token * len(tokens))(*tokens)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hetero_spec.config import TreeSpec
-from hetero_spec.spec.orchestrator import generate_tokens
+from hetero_spec.spec.orchestrator import CATCHUP_ROWS, generate_tokens
 from hetero_spec.spec.policy import FixedPolicy, Shape
 from hetero_spec.spec.tree import Tree
 from tests.conftest import bench_prompts
@@ -85,6 +85,46 @@ def test_untrained_draft_tree_output_equals_plain(hs, plain_outputs, width, tota
                       tree=TreeSpec(top_k=width, total_tokens=total, depth=6))
         assert out.tokens == plain_outputs[p]
         assert max(r.drafted for r in out.stats.rounds) > width  # real trees were drafted
+
+
+class LateDrafting(FixedPolicy):
+    """Expects no drafting at the prefill (so the prompt gets no hidden rows), runs ``plain``
+    undrafted rounds, then drafts ``shape`` every round; records the round times it is given."""
+
+    def __init__(self, shape: Shape, plain: int) -> None:
+        super().__init__(shape)
+        self.plain, self.timed = plain, []
+
+    def expects_drafting(self) -> bool:
+        return False
+
+    def choose(self) -> Shape:
+        self.plain -= 1
+        return Shape(0) if self.plain >= 0 else self.shape
+
+    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
+        self.timed.append((shape.depth, rows_consumed, seconds))
+
+
+@pytest.mark.parametrize("plain_rounds", [5, 24])
+def test_drafting_after_a_lazy_prefill_equals_plain(hs, plain_outputs, plain_rounds):
+    """The prompt is prefilled without hidden states and the draft skips it; drafting that starts
+    later catches up on the rows generated since (at most CATCHUP_ROWS, older ones become holes),
+    and the output is still the plain one."""
+    p = PROMPTS[1]
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": p}]), add_special=False)
+    draft = OracleTreeDraft(prompt + plain_outputs[p], error_rate=0.3, seed=3)
+    policy = LateDrafting(Shape(3), plain=plain_rounds)
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=N_NEW, draft_len=3, policy=policy))
+    assert [t for s in steps for t in s.tokens] == plain_outputs[p]
+    caught_up = min(plain_rounds, CATCHUP_ROWS)  # one row per plain round; the prefill gave the draft none
+    holes = len(prompt) + plain_rounds - caught_up
+    assert draft.cell_tokens[:holes] == [-1] * holes and -1 not in draft.cell_tokens[holes:]
+    first_drafted = next(t for t in policy.timed if t[0] > 0)
+    assert first_drafted[1] == caught_up
+    assert [t[0] for t in policy.timed[:plain_rounds]] == [0] * plain_rounds and all(t[2] > 0 for t in policy.timed)
+    assert sum(s.round.accepted for s in steps if s.round) > 0
 
 
 def test_auto_output_equals_plain(hs, plain_outputs):
@@ -169,7 +209,9 @@ def test_sampled_generation_is_reproducible_and_tree_paths_run(hs):
     from hetero_spec.config import SamplingConfig
 
     msgs = [{"role": "user", "content": "Tell me about the moon."}]
+    hs.reset()  # the same seed from the same cache state (see SamplingConfig)
     a = hs.chat(msgs, max_new_tokens=20, draft_len=3, sampling=SamplingConfig(temperature=0.8, seed=1))
+    hs.reset()
     b = hs.chat(msgs, max_new_tokens=20, draft_len=3, sampling=SamplingConfig(temperature=0.8, seed=1))
     c = hs.chat(msgs, max_new_tokens=20, draft_len=3, sampling=SamplingConfig(temperature=0.8, seed=2),
                 tree=TreeSpec(total_tokens=8, depth=4, top_k=2))

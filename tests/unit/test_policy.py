@@ -93,3 +93,36 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
         policy.stats.observe(4, 4)
     policy._best_shape = None
     assert policy.choose().depth > 0 and policy.probe_gap == 4
+
+
+def test_measured_round_times_correct_the_curve():
+    """Drafting that pays on the calibrated curve stops once drafted rounds are measured to cost
+    twice what the curve says (plain rounds as modelled), and resumes when they cost as modelled."""
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8, decay=1.0)
+    for _ in range(300):
+        policy.stats.observe(2, 1)  # depth 1 always accepted, depth 2 half the time
+        policy.stats.observe(1, 1)
+    policy._best_shape = None
+    shape = policy.choose()
+    assert shape.depth > 0
+    plain_ms = round_cost_ms(c, Shape(0))
+    for _ in range(20):
+        policy.observe_time(Shape(0), 0, plain_ms / 1e3)
+        policy.observe_time(shape, 2, 2 * round_cost_ms(c, shape) / 1e3)
+    assert policy.cost.drafted_scale == pytest.approx(2.0, rel=0.05)
+    assert policy.choose().depth == 0
+    for _ in range(60):
+        policy.observe_time(Shape(0), 0, plain_ms / 1e3)
+        policy.observe_time(shape, 1, round_cost_ms(c, shape) / 1e3)
+    assert policy.choose().depth == shape.depth
+
+
+def test_one_outlier_round_cannot_swing_the_choice():
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8)
+    for _ in range(10):
+        policy.observe_time(Shape(0), 0, round_cost_ms(c, Shape(0)) / 1e3)
+        policy.observe_time(Shape(2), 1, round_cost_ms(c, Shape(2)) / 1e3)
+    policy.observe_time(Shape(2), 1, 100.0)  # a 100 s stall
+    assert policy.cost.drafted_scale < 1.5

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hetero_spec.config import SamplingConfig
-from hetero_spec.spec.sampling import draw_without_replacement, process_logits
+from hetero_spec.spec.sampling import draw_without_replacement, process_logits, top_k_ids
 from hetero_spec.spec.tree import Tree
 from hetero_spec.spec.verify import reject_siblings, residual, sample_accept_tree
 from tests.stats import chi2_pvalue
@@ -113,3 +113,20 @@ def test_processing_matches_llama_cpp_definitions():
     sq = np.array([0.4, 0.3, 0.15, 0.1, 0.05]) ** 2
     np.testing.assert_allclose(process_logits(logits, cfg), sq / sq.sum())
     assert process_logits(logits, SamplingConfig(temperature=0.0)).tolist() == [1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("shape", ["normal", "spikes", "sorted", "flat"])
+def test_top_k_ids_equals_a_full_partition(shape):
+    """The sampled-threshold shortcut keeps exactly the k largest logits (values compared: ties may swap ids)."""
+    rng = np.random.default_rng(1)
+    for k in (1, 7, 40, 300, 1000):
+        x = rng.standard_normal(49152).astype(np.float32) * 3
+        if shape == "spikes":
+            x[rng.integers(0, len(x), 50)] += 25  # more spikes than the strided sample can see
+        elif shape == "sorted":
+            x = np.sort(x)  # every large value in the last few strides
+        elif shape == "flat":
+            x = np.round(x)  # heavy ties at the threshold
+        ids = top_k_ids(x, k)
+        assert len(ids) == k == len(set(ids.tolist()))
+        assert np.sort(x[ids]).tolist() == np.sort(np.partition(x, len(x) - k)[len(x) - k:]).tolist()
