@@ -23,6 +23,7 @@ from .spec.policy import AutoPolicy, FixedPolicy, Shape
 
 QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
+AUTO_LOOKUP_DEPTH = 4  # longest prompt-lookup chain auto considers
 from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 
@@ -114,6 +115,7 @@ class HeteroSpec:
         tree: TreeSpec | None = None,
         sampling: SamplingConfig | None = None,
         draft_p_min: float | None = None,
+        lookup: bool = True,
         _templated: bool = False,
     ) -> Completion | TextStream:
         """Generate; greedy output is identical to the target alone, sampled output follows its distribution.
@@ -122,10 +124,11 @@ class HeteroSpec:
         from the machine's cost curve (measured quickly and cached on first use) and the
         running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
         depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
-        With ``stream`` the result is an iterator of text pieces whose ``stats`` fill in.
+        ``lookup``: with ``"auto"``, also draft by prompt lookup where that pays.  With ``stream``
+        the result is an iterator of text pieces whose ``stats`` fill in.
         """
         cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop),
-                         sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min)
+                         sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup)
         tokens = self._prompt_tokens(prompt, _templated)
         stats = RunStats(prompt_tokens=len(tokens))
         ts = TextStream(iter(()), stats)
@@ -142,9 +145,11 @@ class HeteroSpec:
         tree = cfg.tree
         if cfg.draft_len != "auto":
             return FixedPolicy(Shape(tree.depth, tree.top_k, tree.total_tokens)) if tree else None
-        key = (tree.top_k, tree.total_tokens, tree.depth) if tree else (1, 0, AUTO_MAX_CHAIN)
+        key = (*((tree.top_k, tree.total_tokens, tree.depth) if tree else (1, 0, AUTO_MAX_CHAIN)),
+               AUTO_LOOKUP_DEPTH if cfg.lookup else 0)
         if key not in self._auto:
-            self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2])
+            self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2],
+                                         lookup_depth=key[3])
         return self._auto[key]
 
     def cost_curve(self):

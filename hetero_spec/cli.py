@@ -38,6 +38,8 @@ def cli() -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="sampling seed (reproducible runs)")
 @click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below (default: 0.1 with auto)")
 @click.option("--no-draft", is_flag=True, help="plain decoding through the same code, for comparison")
+@click.option("--lookup/--no-lookup", default=True, show_default=True,
+              help="with --draft-len auto, also draft by prompt lookup (repeated n-grams) where that pays")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
@@ -49,7 +51,7 @@ def cli() -> None:
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
 def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tree_depth, tree_top_k, temperature,
-        top_k, top_p, min_p, seed, draft_p_min, no_draft, threads, ctx, draft_device, draft_dtype,
+        top_k, top_p, min_p, seed, draft_p_min, no_draft, lookup, threads, ctx, draft_device, draft_dtype,
         denoise, kv_type, stop, stats_json) -> None:
     """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens."""
     from .api import HeteroSpec
@@ -59,7 +61,7 @@ def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tr
         raise HeteroSpecError("give a DRAFT file, or --no-draft for plain decoding")
     options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else parse_draft_len(draft_len), stop=stop,
                    tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
-                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed))
+                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed), lookup=lookup)
     with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
                     draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise), kv_type=kv_type) as hs:
         if prompt is not None:

@@ -219,6 +219,8 @@ class SpecConfig:
     # Stop drafting when the draft's best probability at the frontier falls below this
     # (llama.cpp's draft-p-min).  None: AUTO_P_MIN with draft_len "auto", else off.
     draft_p_min: float | None = None
+    # With draft_len "auto": also propose chains by prompt lookup (spec/lookup.py) when they pay.
+    lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -22,6 +22,7 @@ class Round:
     overhead_s: float  # everything else: acceptance, rollback, bookkeeping
     bytes_to_target: int  # token ids sent to the target
     bytes_to_draft: int  # hidden-state rows (and their token ids) sent to the draft
+    source: str = "draft"  # where the drafts came from: "draft" (the model) or "lookup" (prompt lookup)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RunStats:
             "bytes_to_target": self.total("bytes_to_target"),
             "bytes_to_draft": self.total("bytes_to_draft"),
             "accepted_histogram": _histogram([r.accepted for r in self.rounds]),
+            "lookup_rounds": sum(r.source == "lookup" for r in self.rounds),
         }
 
     def summary(self) -> str:

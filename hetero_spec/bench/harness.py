@@ -87,8 +87,11 @@ register(Method("plain", "hetero-spec without a draft (same runtime, k = 0)",
                 lambda c: c.hetero_run(draft_len=0)))
 register(Method("chain", "hetero-spec chain drafting, k drafts per round",
                 lambda c: c.hetero_run(draft_len=c.target.k), needs_draft=True, speculative=True))
-register(Method("auto", "hetero-spec --draft-len auto: chain length chosen per round from the cost curve",
+register(Method("auto", "hetero-spec --draft-len auto: draft-model or prompt-lookup chain sized per round from "
+                        "the cost curve, measured round costs and acceptance",
                 lambda c: c.hetero_run(draft_len="auto"), needs_draft=True, speculative=True))
+register(Method("auto-nolookup", "hetero-spec --draft-len auto --no-lookup: the draft model only",
+                lambda c: c.hetero_run(draft_len="auto", lookup=False), needs_draft=True, speculative=True))
 register(Method("tree", "hetero-spec dynamic tree of a fixed shape (--tree-tokens/-depth/-top-k)",
                 lambda c: c.hetero_run(draft_len=1, tree=c.target.tree), needs_draft=True, speculative=True))
 register(Method("auto-tree", "hetero-spec dynamic tree sized per round from the cost curve",

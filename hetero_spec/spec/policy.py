@@ -35,11 +35,20 @@ class Curve(Protocol):
 
 @dataclass(frozen=True)
 class Shape:
-    """One round's drafting: ``depth`` levels, ``width`` nodes per level, at most ``total`` nodes."""
+    """One round's drafting: ``depth`` levels, ``width`` nodes per level, at most ``total`` nodes.
+
+    ``source``: "draft" (the draft model) or "lookup" (prompt lookup: a chain, no draft forward)."""
 
     depth: int
     width: int = 1
     total: int = 0  # 0 = depth * width
+    source: str = "draft"
+    probe: bool = False  # asked for to learn the acceptance, not because it is expected to pay
+
+    @property
+    def kind(self) -> str:
+        """What the round costs like: "plain", "draft" or "lookup"."""
+        return "plain" if self.depth == 0 else self.source
 
     @property
     def tokens(self) -> int:
@@ -50,13 +59,18 @@ class Shape:
 class FixedPolicy:
     """The same shape every round (``--draft-len N`` or a fixed tree)."""
 
+    lookup_depth = 0  # never proposes from prompt lookup
+
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
 
-    def choose(self) -> Shape:
+    def choose(self, lookup: int = 0) -> Shape:
         return self.shape
 
-    def observe(self, drafted_depth: int, accepted: int) -> None:
+    def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
+        pass
+
+    def observe_shadow(self, source: str, p_accept: float) -> None:
         pass
 
     def expects_drafting(self) -> bool:
@@ -89,6 +103,14 @@ class AcceptanceStats:
             self.reached[d] += 1.0
             self.accepted[d] += 1.0 if d <= accepted else 0.0
 
+    def observe_first(self, p_accept: float) -> None:
+        """Evidence on depth 1 alone: a proposal checked against the target's own next token."""
+        for d in range(1, self.max_depth + 1):
+            self.reached[d] *= self.decay
+            self.accepted[d] *= self.decay
+        self.reached[1] += 1.0
+        self.accepted[1] += p_accept
+
     def alpha(self, d: int) -> float:
         a0, b0 = self.prior
         return (self.accepted[d] + a0) / (self.reached[d] + a0 + b0)
@@ -104,9 +126,11 @@ def expected_emitted(alphas: list[float]) -> float:
 
 
 def round_cost_ms(curve: Curve, shape: Shape) -> float:
-    """Verification of the root plus the drafted tokens, plus one draft forward per depth."""
+    """Verification of the root plus the drafted tokens, plus one draft forward per depth (none for lookup)."""
     if shape.depth == 0:
         return curve.verify_time_ms(1)
+    if shape.source == "lookup":
+        return curve.verify_time_ms(1 + shape.tokens)
     draft = curve.draft_step_ms + sum(curve.draft_rows_time_ms(shape.width) for _ in range(shape.depth - 1))
     return curve.verify_time_ms(1 + shape.tokens) + draft
 
@@ -133,57 +157,93 @@ def best_shape(curve: Curve, alphas: list[float], width: int, total: int, max_de
 
 @dataclass
 class MeasuredCost:
-    """Running ratio of measured to modelled round time, for plain and for drafted rounds.
+    """Running ratio of measured to modelled round time, per kind of round (``Shape.kind``).
 
     Kept in log space with exponential forgetting; single observations are clipped, so a
     page fault or a noisy neighbour cannot swing the choice.  The draft's catch-up over the
     rows accumulated since it last ran is part of the model of the round it happens in."""
 
     decay: float = 0.9
-    log_ratio: dict[bool, float] = field(default_factory=lambda: {False: 0.0, True: 0.0})
-    seen: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
+    log_ratio: dict[str, float] = field(default_factory=dict)
+    seen: dict[str, int] = field(default_factory=dict)
 
-    def observe(self, drafted: bool, measured_ms: float, modelled_ms: float) -> None:
+    def observe(self, kind: str, measured_ms: float, modelled_ms: float) -> None:
         if measured_ms <= 0 or modelled_ms <= 0:
             return
         r = min(max(math.log(measured_ms / modelled_ms), -0.7), 1.4)  # 0.5x .. 4x
-        w = self.decay if self.seen[drafted] else 0.0
-        self.log_ratio[drafted] = w * self.log_ratio[drafted] + (1 - w) * r
-        self.seen[drafted] += 1
+        w = self.decay if self.seen.get(kind) else 0.0
+        self.log_ratio[kind] = w * self.log_ratio.get(kind, 0.0) + (1 - w) * r
+        self.seen[kind] = self.seen.get(kind, 0) + 1
+
+    def scale(self, kind: str) -> float:
+        """Rounds of ``kind``: their cost against the curve relative to plain rounds' (1 until both are seen)."""
+        if not (self.seen.get("plain") and self.seen.get(kind)):
+            return 1.0
+        return math.exp(self.log_ratio[kind] - self.log_ratio["plain"])
 
     @property
     def drafted_scale(self) -> float:
-        """Drafted rounds' cost against the curve, relative to plain rounds' (1 until both are seen)."""
-        if not (self.seen[False] and self.seen[True]):
-            return 1.0
-        return math.exp(self.log_ratio[True] - self.log_ratio[False])
+        return self.scale("draft")
+
+
+@dataclass
+class Backoff:
+    """Probe once every ``gap`` eligible rounds; the gap doubles after each probe that leaves the
+    probed source not paying, up to ``max_gap``, and resets once it pays."""
+
+    first: int
+    max_gap: int
+    gap: int = 0
+    streak: int = 0
+
+    def __post_init__(self) -> None:
+        self.gap = self.first
+
+    def due(self) -> bool:
+        self.streak += 1
+        if self.streak >= self.gap:
+            self.streak = 0
+            return True
+        return False
+
+    def settle(self, pays: bool) -> None:
+        self.gap = self.first if pays else min(2 * self.gap, self.max_gap)
+
+    def reset(self) -> None:
+        self.streak, self.gap = 0, self.first
 
 
 class AutoPolicy:
-    """Chooses the depth each round from the cost curve and the running acceptance statistics.
+    """Chooses each round's source and depth from the cost curve and running acceptance statistics.
 
-    While plain rounds win it probes with one cheap drafted round every ``probe_every`` plain
-    rounds; each probe after which plain rounds still win doubles that gap (up to
-    ``max_probe_gap``), since a probe costs a two-row verification and the draft's catch-up
-    on every row since the last one; measured on SmolLM2 Q4_0, resetting the gap on any
-    accepted probe kept auto at 0.95x of plain decoding with a draft accepted half the time.
-    The gap resets once drafting is expected to pay.  Round times come back through
-    ``observe_time`` and correct the curve (``MeasuredCost``).
+    Two sources: the draft model (chains, or trees of ``width``) and, with ``lookup_depth``
+    > 0, prompt lookup, whose chains cost verification rows only and which the caller offers
+    with the number of tokens it found (``choose(lookup=n)``).  Each keeps its own
+    acceptance statistics.  While plain rounds win, each source is probed with one cheap
+    round every ``probe_every`` eligible rounds; each probe after which it still does not
+    pay doubles that gap (up to ``max_probe_gap``), since a probe costs a two-row
+    verification (and the draft's catch-up); measured on SmolLM2 Q4_0, resetting the gap on
+    any accepted probe kept auto at 0.95x of plain decoding with a draft accepted half the
+    time.  Round times come back through ``observe_time`` and correct the curve
+    (``MeasuredCost``).
     """
 
     def __init__(self, curve: Curve, *, width: int = 1, total: int = 0, max_depth: int = 8,
                  probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95,
-                 min_gain: float = 1.08) -> None:
+                 min_gain: float = 1.08, lookup_depth: int = 0) -> None:
         self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
         self.stats = AcceptanceStats(max_depth, decay=decay)
-        self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
+        self.lookup_depth = lookup_depth
+        self.lookup_stats = AcceptanceStats(max(1, lookup_depth), decay=decay)
         # measured on SmolLM2 Q4_0 (2 threads): with min_gain 1.0 auto drafted on estimates
         # within a few % of break-even and ran at 0.92-0.95x of plain decoding
         self.min_gain = min_gain
-        self._probe_gap = probe_every
-        self._plain_streak = 0
-        self._probing = False
+        self._draft_probe = Backoff(probe_every, max_probe_gap)
+        self._lookup_probe = Backoff(probe_every, max_probe_gap)
+        self._probing = ""  # the source of the probe just handed out
+        self._lookup_shadowed = False  # lookup's first token is being checked on plain rounds for free
         self._best_shape: Shape | None = None  # valid until the statistics change
+        self._best_rate = 0.0
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
 
@@ -193,45 +253,76 @@ class AutoPolicy:
         if self._best_shape is None:
             alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
             self._scale_used = self.cost.drafted_scale
-            self._best_shape = best_shape(self.curve, alphas, self.width, self.total, self.max_depth,
-                                          self.min_gain, self._scale_used)[0]
+            self._best_shape, self._best_rate = best_shape(self.curve, alphas, self.width, self.total,
+                                                           self.max_depth, self.min_gain, self._scale_used)
         return self._best_shape
 
+    def _best_lookup(self, available: int) -> tuple[Shape, float]:
+        """The best lookup chain of at most ``available`` tokens, or Shape(0) if none beats plain by min_gain."""
+        scale = self.cost.scale("lookup")
+        plain_rate = 1.0 / round_cost_ms(self.curve, Shape(0))
+        best, best_rate = Shape(0), plain_rate
+        alphas = [self.lookup_stats.alpha(d) for d in range(1, available + 1)]
+        for d in range(1, available + 1):
+            shape = Shape(d, source="lookup")
+            rate = expected_emitted(alphas[:d]) / (scale * round_cost_ms(self.curve, shape))
+            if rate > best_rate and rate >= self.min_gain * plain_rate:
+                best, best_rate = shape, rate
+        return best, best_rate
+
     def expects_drafting(self) -> bool:
+        """Whether the draft model is expected to run soon (it then needs the prompt's rows)."""
         return self._best().depth > 0
 
-    def choose(self) -> Shape:
+    def choose(self, lookup: int = 0) -> Shape:
+        """This round's shape; ``lookup``: tokens prompt lookup offers this round (0: no match)."""
         shape = self._best()
-        self._probing = False
+        self._probing = ""
+        if lookup and self.lookup_depth:
+            lshape, lrate = self._best_lookup(min(lookup, self.lookup_depth))
+            if lshape.depth and lrate > self._best_rate:
+                self._lookup_probe.reset()
+                return lshape
+            if shape.depth == 0 and not self._lookup_shadowed and self._lookup_probe.due():
+                self._probing = "lookup"
+                return Shape(1, source="lookup", probe=True)
         if shape.depth == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self._probe_gap:  # keep learning whether the draft got useful
-                self._plain_streak = 0
-                self._probing = True
-                return Shape(1, 1)
+            if self._draft_probe.due():  # keep learning whether the draft got useful
+                self._probing = "draft"
+                return Shape(1, 1, probe=True)
             return shape
-        self._plain_streak = 0
-        self._probe_gap = self.probe_every  # drafting pays again: probe promptly once it stops paying
+        self._draft_probe.reset()  # drafting pays again: probe promptly once it stops paying
         return shape
 
-    def observe(self, drafted_depth: int, accepted: int) -> None:
+    def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
         if drafted_depth > 0:
-            self.stats.observe(drafted_depth, accepted)
+            (self.lookup_stats if source == "lookup" else self.stats).observe(drafted_depth, accepted)
+            if source != "lookup":
+                self._best_shape = None
+        if self._probing == "draft":  # the gap resets only once drafting is expected to pay again
+            self._draft_probe.settle(self.expects_drafting())
+        elif self._probing == "lookup":
+            self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
+
+    def observe_shadow(self, source: str, p_accept: float) -> None:
+        """A plain round checked a proposal of ``source`` it did not verify: the target's own token
+        equalled it (greedy: ``p_accept`` 0 or 1).  Lookup needs no probes while this arrives."""
+        (self.lookup_stats if source == "lookup" else self.stats).observe_first(p_accept)
+        if source == "lookup":
+            self._lookup_shadowed = True
+        else:
             self._best_shape = None
-        if self._probing:  # the gap resets only once drafting is expected to pay again
-            self._probe_gap = self.probe_every if self.expects_drafting() else min(2 * self._probe_gap,
-                                                                                   self.max_probe_gap)
 
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
         """One round's wall time; ``rows_consumed``: real rows the draft caught up on in it."""
         modelled = round_cost_ms(self.curve, shape)
-        if shape.depth > 0 and rows_consumed > 1:
+        if shape.kind == "draft" and rows_consumed > 1:
             modelled += self.curve.draft_rows_time_ms(rows_consumed) - self.curve.draft_rows_time_ms(1)
-        self.cost.observe(shape.depth > 0, 1e3 * seconds, modelled)
+        self.cost.observe(shape.kind, 1e3 * seconds, modelled)
         if abs(math.log(self.cost.drafted_scale / self._scale_used)) > 0.03:
             self._best_shape = None  # plain rounds arrive every token: search again only on a real change
 
     @property
     def probe_gap(self) -> int:
-        """Plain rounds before the next probe while plain rounds win."""
-        return self._probe_gap
+        """Plain rounds before the next draft-model probe while plain rounds win."""
+        return self._draft_probe.gap

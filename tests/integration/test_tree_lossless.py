@@ -98,7 +98,7 @@ class LateDrafting(FixedPolicy):
     def expects_drafting(self) -> bool:
         return False
 
-    def choose(self) -> Shape:
+    def choose(self, lookup: int = 0) -> Shape:
         self.plain -= 1
         return Shape(0) if self.plain >= 0 else self.shape
 
@@ -125,6 +125,38 @@ def test_drafting_after_a_lazy_prefill_equals_plain(hs, plain_outputs, plain_rou
     assert first_drafted[1] == caught_up
     assert [t[0] for t in policy.timed[:plain_rounds]] == [0] * plain_rounds and all(t[2] > 0 for t in policy.timed)
     assert sum(s.round.accepted for s in steps if s.round) > 0
+
+
+class LookupWhenOffered(FixedPolicy):
+    """Drafts by prompt lookup whenever a match is offered, else a plain round."""
+
+    lookup_depth = 3
+
+    def __init__(self) -> None:
+        super().__init__(Shape(0))
+        self.lookup_rounds = 0
+
+    def choose(self, lookup: int = 0) -> Shape:
+        self.lookup_rounds += bool(lookup)
+        return Shape(min(lookup, 3), source="lookup") if lookup else Shape(0)
+
+
+REPEAT = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
+
+
+def test_prompt_lookup_rounds_equal_plain(hs):
+    """Chains proposed by prompt lookup, verified on the real target: the plain output, and some accepted."""
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": REPEAT}]), add_special=False)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=48, draft_len=0).tokens
+    draft = OracleTreeDraft(prompt + plain, error_rate=1.0)  # the model draft is never asked
+    policy = LookupWhenOffered()
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=48, draft_len=1, policy=policy))
+    rounds = [s.round for s in steps if s.round]
+    assert [t for s in steps for t in s.tokens] == plain
+    assert all(r.source == "lookup" for r in rounds if r.drafted) and sum(r.accepted for r in rounds) >= 5
+    assert draft.features_seen == 0  # lookup rounds leave the draft model alone
 
 
 def test_auto_output_equals_plain(hs, plain_outputs):

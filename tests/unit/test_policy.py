@@ -126,3 +126,55 @@ def test_one_outlier_round_cannot_swing_the_choice():
         policy.observe_time(Shape(2), 1, round_cost_ms(c, Shape(2)) / 1e3)
     policy.observe_time(Shape(2), 1, 100.0)  # a 100 s stall
     assert policy.cost.drafted_scale < 1.5
+
+
+def test_lookup_is_chosen_where_it_pays_and_probed_where_it_does_not():
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8, lookup_depth=4, probe_every=4, max_probe_gap=32, decay=1.0)
+    for _ in range(100):  # the draft model never pays; lookup proposals are always right
+        policy.stats.observe(1, 0)
+        policy.lookup_stats.observe(4, 4)
+    policy._best_shape = None
+    assert policy.choose(0) == Shape(0)  # nothing offered: plain
+    shape = policy.choose(3)
+    assert shape.source == "lookup" and shape.depth == 3  # capped by what was offered
+    assert policy.choose(9).depth == 4  # capped by lookup_depth
+
+    for _ in range(200):  # lookup proposals turn out wrong
+        policy.lookup_stats.observe(1, 0)
+    gaps, n = [], 0
+    for _ in range(120):
+        n += 1
+        s = policy.choose(2)
+        policy.observe(s.depth, 0, source=s.source)
+        if s.depth:
+            assert s in (Shape(1, source="lookup", probe=True), Shape(1, 1, probe=True))
+            if s.source == "lookup":
+                gaps.append(n)
+                n = 0
+    assert gaps[:4] == [4, 8, 16, 32]
+
+
+def test_lookup_rounds_are_costed_without_a_draft_forward():
+    c = curve(10.0, 3.0, 0.9)
+    assert round_cost_ms(c, Shape(2, source="lookup")) == c.verify_time_ms(3)
+    assert round_cost_ms(c, Shape(2)) > round_cost_ms(c, Shape(2, source="lookup"))
+
+
+def test_shadow_evidence_replaces_lookup_probes():
+    """Plain rounds that check the offered lookup token for free teach the lookup statistics, and
+    verified lookup probes stop; good evidence then makes lookup rounds the choice."""
+    c = curve(10.0, 6.0, 0.9)  # steep: at the 0.5 prior, lookup does not pay
+    policy = AutoPolicy(c, max_depth=8, lookup_depth=4, probe_every=4, decay=0.95)
+    assert policy.choose(2).depth == 0
+    probes_after_shadow = 0
+    for _ in range(40):
+        s = policy.choose(2)
+        if s.source == "lookup" and not s.probe:
+            break
+        probes_after_shadow += s.source == "lookup" and policy.lookup_stats.reached[1] > 0
+        policy.observe(s.depth, 0, source=s.source)  # draft-model probes are rejected
+        if s.depth == 0:
+            policy.observe_shadow("lookup", 1.0)
+    assert s.source == "lookup" and s.depth >= 1 and probes_after_shadow == 0  # depth 2 still has its prior
+    assert policy.lookup_stats.alpha(1) >= 0.7  # a few free confirmations suffice

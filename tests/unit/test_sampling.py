@@ -130,3 +130,17 @@ def test_top_k_ids_equals_a_full_partition(shape):
         ids = top_k_ids(x, k)
         assert len(ids) == k == len(set(ids.tolist()))
         assert np.sort(x[ids]).tolist() == np.sort(np.partition(x, len(x) - k)[len(x) - k:]).tolist()
+
+
+def test_deterministic_proposals_keep_p():
+    """Prompt lookup proposes one fixed token (q one-hot): acceptance with p(token), else a draw
+    from p without it, is a draw from p; the broken rule (no residual) is caught."""
+    p = dist(5)
+    for tok, rule, ok in ((int(p.argmax()), residual, True), (3, residual, True), (int(p.argmax()), broken, False)):
+        q = np.zeros(V)
+        q[tok] = 1.0
+        rng = np.random.default_rng(2)
+        counts = np.zeros(V)
+        for _ in range(N_DRAWS):
+            counts[reject_siblings(p, q, [tok], rng, residual_fn=rule)[1]] += 1
+        assert (chi2_pvalue(counts, p) > 0.01) == ok

@@ -1,0 +1,42 @@
+"""Prompt lookup: the longest earlier match of the suffix, its latest occurrence, never the suffix itself."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_spec.spec.lookup import NgramLookup
+
+
+def test_longest_match_wins_then_shorter_ones():
+    text = [1, 2, 3, 9, 9, 5, 2, 3, 7, 7, 1, 2, 3]
+    # suffix (1, 2, 3) occurred at the start, followed by 9 9 5; (2, 3) alone last continued with 7
+    assert NgramLookup(text, n_min=2, n_max=3).propose(3) == [9, 9, 5]
+    assert NgramLookup(text, n_min=2, n_max=2).propose(2) == [7, 7]
+
+
+def test_latest_occurrence_and_no_match():
+    assert NgramLookup([4, 5, 1, 4, 5, 2, 4, 5], n_min=2, n_max=2).propose(1) == [2]
+    assert NgramLookup([1, 2, 3, 4], n_min=2, n_max=3).propose(2) == []  # the suffix itself is no match
+    assert NgramLookup([1, 2], n_min=2).propose(2) == []
+
+
+def test_proposals_stop_at_the_end_of_the_text():
+    look = NgramLookup([8, 9, 8], n_min=1, n_max=1)
+    assert look.propose(4) == [9, 8]
+
+
+def test_incremental_extension_equals_building_at_once():
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, 6, 300).tolist()
+    once = NgramLookup(text, n_min=1, n_max=4)
+    step = NgramLookup(text[:10], n_min=1, n_max=4)
+    for i in range(10, 300, 7):
+        step.extend(text[i : i + 7])
+    assert step.tokens == once.tokens and step._next == once._next
+    for k in (1, 3):
+        assert step.propose(k) == once.propose(k)
+
+
+def test_bad_ngram_bounds_are_refused():
+    with pytest.raises(ValueError):
+        NgramLookup([], n_min=3, n_max=2)
