@@ -191,7 +191,8 @@ def _tree_round(
     target, draft, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
     rng: np.random.Generator, p_min: float, left: int, lookup: NgramLookup | None = None,
 ) -> tuple[Step, int, _Pending]:
-    """draft a tree (a chain is one branch) -> verify it in one decode -> accept -> keep the path."""
+    """One round as the policy chooses: a plain row, a prompt-lookup chain, a shadow probe, or a
+    draft tree (a chain is one branch) verified in one decode, accepted, its path kept."""
     t0 = time.perf_counter()
     n0 = target.n_past
     room_target = target.n_ctx - n0 - 1
@@ -202,7 +203,7 @@ def _tree_round(
     if shape.source == "lookup":
         depth = max(0, min(shape.depth, len(offered), left - 1, room_target))
         if depth:
-            return _lookup_round(target, x, offered[:depth], pending, policy, sampling, rng, left, t0)
+            return _lookup_round(target, x, offered, depth, pending, policy, sampling, rng, left, t0)
         return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered)
     room_draft = draft.max_positions - draft.n - len(pending.next_tokens)
     depth = max(0, min(shape.depth, left - 1))
@@ -258,12 +259,15 @@ def _verify_tree(target, tree: Tree, q_at, sampling: SamplingConfig, rng: np.ran
     return path, nxt, rows, kept, verify_s
 
 
-def _lookup_round(target, x: int, proposal: list[int], pending: _Pending, policy: Policy, sampling: SamplingConfig,
-                  rng: np.random.Generator, left: int, t0: float) -> tuple[Step, int, _Pending]:
-    """A chain proposed by prompt lookup: verified like a drafted chain; the draft model does not run
-    and catches up on the kept rows the next time it drafts.  For sampling, the proposal is a
-    deterministic draw (q one-hot), so acceptance is p(token) and a rejection draws from p without it."""
+def _lookup_round(target, x: int, offered: list[int], depth: int, pending: _Pending, policy: Policy,
+                  sampling: SamplingConfig, rng: np.random.Generator, left: int, t0: float) -> tuple[Step, int, _Pending]:
+    """The first ``depth`` tokens prompt lookup ``offered``, verified like a drafted chain; the draft
+    model does not run and catches up on the kept rows the next time it drafts.  For sampling, the
+    proposal is a deterministic draw (q one-hot), so acceptance is p(token) and a rejection draws
+    from p without it.  Greedy rounds that accept everything check the next offered token against
+    the bonus token for free, so the statistics learn one depth beyond what was verified."""
     n0 = target.n_past
+    proposal = offered[:depth]
     tree = Tree.chain(x, proposal)
 
     def one_hot(i: int) -> np.ndarray:
@@ -275,8 +279,11 @@ def _lookup_round(target, x: int, proposal: list[int], pending: _Pending, policy
     accepted = [int(t) for t in tree.tokens[path]] + [nxt]
     pending.add(hidden, accepted)
     _check_kv(target, n0 + len(rows))
-    shape = Shape(len(proposal), source="lookup")
-    policy.observe(len(proposal), len(path), source="lookup")
+    shape = Shape(depth, source="lookup")
+    if sampling.greedy and len(path) == depth < len(offered):
+        policy.observe(depth + 1, depth + int(nxt == offered[depth]), source="lookup")
+    else:
+        policy.observe(depth, len(path), source="lookup")
     policy.observe_time(shape, 0, time.perf_counter() - t0)
     emitted, stop = _truncate_at_stop(target, accepted, left)
     rnd = Round(drafted=len(proposal), accepted=len(path), emitted=len(emitted), draft_s=0.0, verify_s=verify_s,

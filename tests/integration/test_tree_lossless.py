@@ -128,17 +128,21 @@ def test_drafting_after_a_lazy_prefill_equals_plain(hs, plain_outputs, plain_rou
 
 
 class LookupWhenOffered(FixedPolicy):
-    """Drafts by prompt lookup whenever a match is offered, else a plain round."""
+    """Drafts by prompt lookup whenever a match is offered (1 token, then all offered, in turn), else
+    a plain round; records what it is told."""
 
     lookup_depth = 3
 
     def __init__(self) -> None:
         super().__init__(Shape(0))
-        self.lookup_rounds = 0
+        self.lookup_rounds, self.observed = 0, []
 
     def choose(self, lookup: int = 0) -> Shape:
         self.lookup_rounds += bool(lookup)
-        return Shape(min(lookup, 3), source="lookup") if lookup else Shape(0)
+        return Shape(1 if self.lookup_rounds % 2 else min(lookup, 3), source="lookup") if lookup else Shape(0)
+
+    def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
+        self.observed.append((drafted_depth, accepted, source))
 
 
 REPEAT = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
@@ -155,8 +159,11 @@ def test_prompt_lookup_rounds_equal_plain(hs):
     steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=48, draft_len=1, policy=policy))
     rounds = [s.round for s in steps if s.round]
     assert [t for s in steps for t in s.tokens] == plain
-    assert all(r.source == "lookup" for r in rounds if r.drafted) and sum(r.accepted for r in rounds) >= 5
+    assert all(r.source == "lookup" for r in rounds if r.drafted) and sum(r.accepted for r in rounds) >= 3
     assert draft.features_seen == 0  # lookup rounds leave the draft model alone
+    # a fully accepted one-token round also reports depth 2, checked against the bonus token
+    assert any(d == 2 and src == "lookup" for d, _, src in policy.observed)
+    assert all(0 <= a <= d for d, a, _ in policy.observed)
 
 
 def test_auto_output_equals_plain(hs, plain_outputs):

@@ -1,0 +1,69 @@
+"""Where auto loses to plain decoding when it barely drafts: one context, four loops, interleaved.
+
+    python scripts/bench_auto_overhead.py MODEL.gguf DRAFT.safetensors --n-prompts 8
+
+raw    the bare low-level loop (the bench's baseline) on hetero-spec's own context
+plain  hetero-spec with draft_len=0 (the runtime's own plain path)
+never  the speculative loop with a policy that never drafts (undrafted rounds, embeddings on)
+auto   --draft-len auto (probes, lookup and drafting where it expects a gain)
+
+Prints, per loop, the median over prompts of speed, prefill time and decode speed against raw.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+from hetero_spec.api import HeteroSpec
+from hetero_spec.bench.baselines import RawRun
+from hetero_spec.bench.harness import load_dataset
+from hetero_spec.spec.policy import FixedPolicy, Shape
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("draft", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--datasets", default="mt_bench,alpaca", show_default=True)
+@click.option("--n-prompts", default=8, show_default=True, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(2))
+@click.option("--threads", "-t", default=0, type=click.IntRange(0))
+def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
+    with HeteroSpec(model, draft, threads=threads) as hs:
+        raw = RawRun(hs)
+        prompts = [hs.target.tokenize(hs.render([{"role": "user", "content": text}]), add_special=False)
+                   for name in datasets.split(",") for text in load_dataset(name, n_prompts).prompts]
+        never = FixedPolicy(Shape(0))
+        auto_policy = hs._policy
+
+        def run(prompt, name):
+            if name == "raw":
+                r = raw.run(prompt, max_new_tokens)
+                return r.wall_s, r.prefill_s, r.new_tokens, r.tokens
+            hs._policy = (lambda cfg: never) if name == "never" else auto_policy
+            hs.reset()
+            t0 = time.perf_counter()
+            out = hs.generate(prompt, max_new_tokens=max_new_tokens, draft_len=0 if name == "plain" else "auto")
+            return time.perf_counter() - t0, out.stats.prefill_s, len(out.tokens), out.tokens
+
+        hs.generate(prompts[0], max_new_tokens=4, draft_len="auto")  # calibration and warm-up outside the timing
+        names = ["raw", "plain", "never", "auto"]
+        res: dict[str, list] = {n: [] for n in names}
+        for j, prompt in enumerate(prompts):
+            for name in names[j % 4:] + names[: j % 4]:
+                res[name].append(run(prompt, name))
+        base = res["raw"]
+        for name, rs in res.items():
+            speed = statistics.median(b[0] / r[0] * r[2] / b[2] for r, b in zip(rs, base))
+            prefill = statistics.median(r[1] / b[1] for r, b in zip(rs, base))
+            decode = statistics.median(((b[0] - b[1]) / (b[2] - 1)) / ((r[0] - r[1]) / (r[2] - 1))
+                                       for r, b in zip(rs, base) if r[2] > 1 and b[2] > 1)
+            same = sum(r[3] == b[3] for r, b in zip(rs, base))
+            click.echo(f"{name:6s} speed {speed:.3f}  prefill time x{prefill:.3f}  decode speed {decode:.3f}  "
+                       f"equal to raw {same}/{len(rs)}")
+
+
+if __name__ == "__main__":
+    main()
