@@ -314,18 +314,26 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
                      rng: np.random.Generator, left: int, t0: float, offered: list[int] = ()) -> tuple[Step, int, _Pending]:
     """Depth 0 inside the speculative loop: one target row; the draft catches up on it later.
 
-    ``offered``: a prompt-lookup proposal nobody verified; with greedy decoding its first
-    token is checked against the target's own, free evidence for the lookup statistics."""
+    ``offered``: a prompt-lookup proposal nobody verified; its first token is checked against
+    this row for free evidence for the lookup statistics (greedy: equal to the target's token;
+    sampling: the probability that verification would have accepted it)."""
     n0 = target.n_past
     tv = time.perf_counter()
     logits, hidden = target.verify([x])
     verify_s = time.perf_counter() - tv
-    nxt = _pick(logits[0], sampling, rng)
+    if sampling.greedy:
+        nxt = int(np.argmax(logits[0]))
+        p_offered = float(nxt == offered[0]) if offered else 0.0
+    else:
+        ids, probs = process_support(logits[0], sampling)
+        nxt = sample_support(ids, probs, rng)
+        # a deterministic proposal is accepted with probability p(token): the unbiased evidence
+        p_offered = float(probs[ids == offered[0]].sum()) if offered else 0.0
     pending.add(hidden[:1], [nxt])
     new_pending = pending
     _check_kv(target, n0 + 1)
-    if offered and sampling.greedy:
-        policy.observe_shadow("lookup", float(nxt == offered[0]))
+    if offered:
+        policy.observe_shadow("lookup", p_offered)
     policy.observe_time(Shape(0), 0, time.perf_counter() - t0)
     emitted, stop = _truncate_at_stop(target, [nxt], left)
     rnd = Round(drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0, verify_s=verify_s,

@@ -305,8 +305,9 @@ class AutoPolicy:
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
 
     def observe_shadow(self, source: str, p_accept: float) -> None:
-        """A plain round checked a proposal of ``source`` it did not verify: the target's own token
-        equalled it (greedy: ``p_accept`` 0 or 1).  Lookup needs no probes while this arrives."""
+        """A plain round checked a proposal of ``source`` it did not verify: ``p_accept`` is the
+        probability verification would have accepted it (greedy: 0 or 1, whether the target's own
+        token equalled it).  Lookup needs no probes while this arrives."""
         (self.lookup_stats if source == "lookup" else self.stats).observe_first(p_accept)
         if source == "lookup":
             self._lookup_shadowed = True

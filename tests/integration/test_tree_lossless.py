@@ -166,6 +166,37 @@ def test_prompt_lookup_rounds_equal_plain(hs):
     assert all(0 <= a <= d for d, a, _ in policy.observed)
 
 
+class PlainWithLookupEvidence(FixedPolicy):
+    """Never drafts, but takes lookup offers' free evidence."""
+
+    lookup_depth = 3
+
+    def __init__(self) -> None:
+        super().__init__(Shape(0))
+        self.shadows: list[float] = []
+
+    def observe_shadow(self, source: str, p_accept: float) -> None:
+        self.shadows.append(p_accept)
+
+
+def test_sampled_lookup_evidence_is_a_probability_and_leaves_the_draws_alone(hs):
+    """Sampling: a plain round reports p(offered token) as lookup evidence; the draws stay those
+    of plain sampling with the same seed."""
+    from hetero_spec.config import SamplingConfig
+
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": REPEAT}]), add_special=False)
+    sampling = SamplingConfig(temperature=0.7, seed=5)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=40, draft_len=0, sampling=sampling).tokens
+    policy = PlainWithLookupEvidence()
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, OracleTreeDraft(prompt, 1.0), prompt, max_new_tokens=40, draft_len=1,
+                                 sampling=sampling, policy=policy))
+    assert [t for s in steps for t in s.tokens] == plain
+    assert policy.shadows and all(0.0 <= p <= 1.0 + 1e-9 for p in policy.shadows)
+    assert max(policy.shadows) > 0.5  # repeating the sentence: lookup's guesses are likely
+
+
 def test_auto_output_equals_plain(hs, plain_outputs):
     p = PROMPTS[0]
     assert hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len="auto").tokens == plain_outputs[p]
