@@ -63,24 +63,20 @@ class RawRun:
     against 4.24 ms), consistently for the life of the contexts, from where their buffers
     happened to land; with separate contexts that draw decided a ratio near 1."""
 
-    def __init__(self, hs, shared_context: bool = True) -> None:
+    def __init__(self, hs) -> None:
         from ..target.raw_loop import RawGreedy
 
         self.target = hs.target
         self.loop = RawGreedy(hs.target._model, n_ctx=hs.target.n_ctx, n_threads=hs.target.n_threads,
-                              kv_type=kv_type_id(hs.target.options.kv_type, hs.target._model),
-                              ctx=hs.target._ctx if shared_context else None)
-        self.shared = shared_context
+                              ctx=hs.target._ctx)
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
-        if self.shared:  # the loop clears the cells; the target's record of them must agree
-            self.target.reset()
-            self.target.set_embeddings(False)
+        self.target.reset()  # the loop clears the cells; the target's record of them must agree
+        self.target.set_embeddings(False)
         t0 = time.perf_counter()
         out = self.loop.generate(prompt, max_new_tokens)
         wall = time.perf_counter() - t0
-        if self.shared:
-            self.target.reset()
+        self.target.reset()
         text = self.target.detokenize([t for t in out if not self.target.is_eog(t)])
         return RunResult(text, len(out), wall, tokens=out, prefill_s=self.loop.last_prefill_s)
 

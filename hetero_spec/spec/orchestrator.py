@@ -182,9 +182,20 @@ def generate_tokens(
 
 def _pick(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> int:
     """The target's own token from one row: argmax, or a draw from the processed distribution."""
+    return _pick_and_check(logits, sampling, rng, None)[0]
+
+
+def _pick_and_check(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator,
+                    guess: int | None) -> tuple[int, float]:
+    """``_pick``, plus the probability that verification would have accepted ``guess`` as a
+    deterministic proposal for this row: greedy, whether it is the picked token; sampling, its
+    processed probability p(guess), the unbiased evidence.  0.0 without a guess."""
     if sampling.greedy:
-        return int(np.argmax(logits))
-    return sample_support(*process_support(logits, sampling), rng)
+        nxt = int(np.argmax(logits))
+        return nxt, float(nxt == guess)
+    ids, probs = process_support(logits, sampling)
+    nxt = sample_support(ids, probs, rng)
+    return nxt, float(probs[ids == guess].sum()) if guess is not None else 0.0
 
 
 def _tree_round(
@@ -321,16 +332,8 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
     tv = time.perf_counter()
     logits, hidden = target.verify([x])
     verify_s = time.perf_counter() - tv
-    if sampling.greedy:
-        nxt = int(np.argmax(logits[0]))
-        p_offered = float(nxt == offered[0]) if offered else 0.0
-    else:
-        ids, probs = process_support(logits[0], sampling)
-        nxt = sample_support(ids, probs, rng)
-        # a deterministic proposal is accepted with probability p(token): the unbiased evidence
-        p_offered = float(probs[ids == offered[0]].sum()) if offered else 0.0
+    nxt, p_offered = _pick_and_check(logits[0], sampling, rng, offered[0] if offered else None)
     pending.add(hidden[:1], [nxt])
-    new_pending = pending
     _check_kv(target, n0 + 1)
     if offered:
         policy.observe_shadow("lookup", p_offered)
@@ -338,7 +341,7 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
     emitted, stop = _truncate_at_stop(target, [nxt], left)
     rnd = Round(drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0, verify_s=verify_s,
                 overhead_s=time.perf_counter() - t0 - verify_s, bytes_to_target=TOKEN_BYTES, bytes_to_draft=0)
-    return Step(emitted, rnd, stop), nxt, new_pending
+    return Step(emitted, rnd, stop), nxt, pending
 
 
 def _spec_round(

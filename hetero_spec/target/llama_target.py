@@ -279,10 +279,13 @@ class LlamaTarget:
         """Drop every cell at position >= n_keep (rejected drafts) by position, never by copying."""
         if n_keep >= self.n_past:
             return
-        ok = C.llama_memory_seq_rm(self._ctx.memory, 0, n_keep, -1)
-        if not ok:
-            raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep}")
+        self._drop_cells_from(n_keep)
         del self.tokens[n_keep:]
+
+    def _drop_cells_from(self, pos: int) -> None:
+        """Sequence 0's cells at positions >= ``pos`` leave llama.cpp's cache."""
+        if not C.llama_memory_seq_rm(self._ctx.memory, 0, pos, -1):
+            raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {pos}")
 
     def verify_tree(
         self, tokens: np.ndarray, depths: np.ndarray, seq_ids: list[list[int]]
@@ -358,8 +361,7 @@ class LlamaTarget:
         if n_seqs == 1 and not self.trash_cells:
             # A chain over a cache without parked cells: the rejected rows are the newest cells,
             # so dropping them leaves no hole before a kept cell; this is the chain path's rollback.
-            if not C.llama_memory_seq_rm(mem, 0, n_keep, -1):
-                raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep}")
+            self._drop_cells_from(n_keep)
         else:
             self._park_rejected(mem, seq, n0, n_keep, n_seqs, len(path_tokens))
         self.tokens.extend(int(t) for t in path_tokens)
