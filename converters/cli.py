@@ -112,3 +112,34 @@ def merge_features(out_dir, parts) -> None:
 
     m = merge_datasets(list(parts), out_dir)
     click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens in {len(m.shards)} shards")
+
+
+@click.command("generate-corpus")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--source", default="sharegpt", show_default=True, help="ShareGPT/OpenAI JSON(L); 'sharegpt' = the package")
+@click.option("--limit", type=click.IntRange(1), help="conversations to take after shuffling (default: all)")
+@click.option("--seed", default=0, show_default=True, help="shuffle of the source")
+@click.option("--turns", default=2, show_default=True, type=click.IntRange(1, 2),
+              help="assistant turns the target answers (the second after its own first answer)")
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1), help="per turn")
+@click.option("--max-prompt", default=1024, show_default=True, type=click.IntRange(8),
+              help="skip conversations whose first prompt is longer (tokens)")
+@click.option("--n-seq", default=16, show_default=True, type=click.IntRange(1, 64), help="conversations decoded together")
+@click.option("--taps", callback=_parse_layers,
+              help="also store the input of these blocks (EAGLE-3 fusion), e.g. 2,15,27")
+@click.option("--no-features", is_flag=True, help="token ids only (features later with export-features --corpus)")
+@click.option("--chunk", default=512, show_default=True, type=click.IntRange(1), help="conversations per resume unit")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+def generate_corpus(model, out_dir, source, limit, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
+                    no_features, chunk, threads) -> None:
+    """Answer ShareGPT prompts with the target itself (greedy, many at once) into a resumable training corpus."""
+    from .corpus import CorpusConfig, generate_corpus as run
+
+    m = run(CorpusConfig(model=model, out=out_dir, source=source, limit=limit, seed=seed, turns=turns,
+                         max_new_tokens=max_new_tokens, max_prompt=max_prompt, n_seq=n_seq, threads=threads,
+                         chunk=chunk, features=not no_features, taps=taps))
+    c, d = m["counts"], m["decontamination"]
+    click.echo(f"{out_dir}: {c['conversations']} conversations, {c['tokens']} tokens ({c['assistant_tokens']} generated "
+               f"assistant tokens, {c['turns']} turns, {c['truncated']} stopped at --max-new-tokens); "
+               f"dropped for bench overlap: {d['dropped_exact']} exact, {d['dropped_ngram8']} shared 8-gram")

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .chat_template import render_chat
 from .config import DEFAULT_KV_TYPE, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec
@@ -66,7 +66,7 @@ class HeteroSpec:
         kv_type: str = DEFAULT_KV_TYPE,
     ) -> None:
         self.target = LlamaTarget(target, TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None,
-                                                              kv_type=kv_type))
+                                                        kv_type=kv_type, taps=draft_taps(draft)))
         self.draft = None
         self.draft_path = draft
         self._curve = None  # cost curve for auto sizing, loaded or measured on first use
@@ -116,6 +116,7 @@ class HeteroSpec:
         sampling: SamplingConfig | None = None,
         draft_p_min: float | None = None,
         lookup: bool = True,
+        cancel: Callable[[], bool] | None = None,
         _templated: bool = False,
     ) -> Completion | TextStream:
         """Generate; greedy output is identical to the target alone, sampled output follows its distribution.
@@ -125,14 +126,16 @@ class HeteroSpec:
         running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
         depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
         ``lookup``: with ``"auto"``, also draft by prompt lookup where that pays.  With ``stream``
-        the result is an iterator of text pieces whose ``stats`` fill in.
+        the result is an iterator of text pieces whose ``stats`` fill in.  ``cancel``: asked after
+        every round; True ends the generation there (stop reason ``"cancelled"``, no held-back
+        tail), so a server whose client left frees the model within one round.
         """
         cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop),
                          sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup)
         tokens = self._prompt_tokens(prompt, _templated)
         stats = RunStats(prompt_tokens=len(tokens))
         ts = TextStream(iter(()), stats)
-        ts._pieces = self._run(tokens, cfg, ts)
+        ts._pieces = self._run(tokens, cfg, ts, cancel)
         if stream:
             return ts
         text = "".join(ts)
@@ -188,7 +191,8 @@ class HeteroSpec:
             raise ContextFull(f"prompt of {len(tokens)} tokens does not fit the context of {self.target.n_ctx} (use --ctx)")
         return tokens
 
-    def _run(self, tokens: list[int], cfg: SpecConfig, ts: TextStream) -> Iterator[str]:
+    def _run(self, tokens: list[int], cfg: SpecConfig, ts: TextStream,
+             cancel: Callable[[], bool] | None = None) -> Iterator[str]:
         stats, target = ts.stats, self.target
         text = TextAssembler(target.piece, cfg.stop)
         t0 = time.perf_counter()
@@ -215,6 +219,9 @@ class HeteroSpec:
                     yield piece
                 if text.stopped:
                     break
+                if cancel is not None and cancel():
+                    stats.stop_reason = "cancelled"
+                    return
             tail = text.finish()
             if tail:
                 yield tail
@@ -226,10 +233,32 @@ class HeteroSpec:
             stats.wall_s = time.perf_counter() - t0
 
 
+# Real rows for the int8 check of a CPU draft: prose, code and arithmetic, about 150 tokens.  Synthetic
+# inputs miss the target features' outlier channels, which are what int8 activations get wrong.
+CALIBRATION_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening to light the lamp. Ships passing the "
+    "rocky coast relied on its beam to find the harbour safely. One stormy night the lamp flickered and went "
+    "out.\ndef fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did she sell altogether? In May she sold 48 / 2 = 24 clips, so 48 + 24 = 72 in all.")
+
+
+def draft_taps(path: str | Path | None) -> tuple[int, ...]:
+    """The target blocks whose input the draft file reads (EAGLE-3 fusion), which the target's context
+    must be told before it decodes anything; () without a draft or taps."""
+    if path is None:
+        return ()
+    from .draft.checkpoint import read_config
+
+    return read_config(path).taps
+
+
 def load_runner(target: LlamaTarget, path: str | Path, *, device: str, dtype: str, denoise: DenoiseConfig):
-    """Load a draft file against this target: check the fingerprint, borrow embedding and head."""
+    """Load a draft file against this target: check the fingerprint, borrow embedding and head;
+    a CPU draft's int8 weights are calibrated on the target's features of ``CALIBRATION_TEXT``."""
     import torch
 
+    from . import int8_cache
     from .draft.checkpoint import load_draft
     from .draft.runner import DraftRunner
     from .target.gguf_weights import load_target_weights
@@ -237,7 +266,28 @@ def load_runner(target: LlamaTarget, path: str | Path, *, device: str, dtype: st
     model = load_draft(path, target.fingerprint)
     weights = load_target_weights(target.path)
     model.attach_target_weights(torch.from_numpy(_writable(weights.embedding)), torch.from_numpy(_writable(weights.head)))
-    return DraftRunner(model, device=device, dtype=dtype, denoise=denoise)
+    rows = cached = None
+    if dtype.startswith("int8") or (dtype == "auto" and not str(device).startswith("cuda")):
+        cached = int8_cache.load(target.path, path)
+        rows = None if cached is not None else _calibration_rows(target)
+    runner = DraftRunner(model, device=device, dtype=dtype, denoise=denoise, calibration=rows, int8_calibration=cached)
+    if rows is not None and runner.int8_calibration is not None:
+        int8_cache.save(target.path, path, runner.int8_calibration)
+    return runner
+
+
+def _calibration_rows(target: LlamaTarget):
+    """(features [n-1, n_embd], next tokens [n-1]) of CALIBRATION_TEXT; leaves the target's cache empty."""
+    ids = target.tokenize(CALIBRATION_TEXT)
+    was = target.embeddings
+    target.reset()  # a cached prefix would return the new rows only
+    target.set_embeddings(True)
+    try:
+        hidden, _ = target.prefill(ids)
+    finally:
+        target.reset()
+        target.set_embeddings(was)
+    return hidden[:-1].copy(), ids[1:]
 
 
 def _writable(arr):

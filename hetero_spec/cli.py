@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .config import DEFAULT_KV_TYPE, KV_TYPES, ConfigError, DenoiseConfig
+from .config import DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, ConfigError, DenoiseConfig
 from .errors import HeteroSpecError
 
 DEVICE_HELP = "where the draft runs: auto (CUDA when torch sees it), cpu, cuda or cuda:N"
@@ -43,7 +43,8 @@ def cli() -> None:
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
-@click.option("--draft-dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16")
+@click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
+              help="auto: int8 weights on a CPU where int8 is measured accurate, else the fastest float")
 @click.option("--denoise", default=0.0, show_default=True, type=float, help="drop draft keys whose importance gate is below this")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
               help="target KV cells: q8_0 keeps greedy output bit-identical to plain decoding at any length; "
@@ -104,19 +105,77 @@ def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | Non
         sys.exit(130)
 
 
+@cli.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("draft", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--no-draft", is_flag=True, help="plain decoding (also the default without a DRAFT)")
+@click.option("--draft-len", "-k", default="auto", show_default=True, help="draft tokens per round (0..32), or auto")
+@click.option("--tree", is_flag=True, help="draft an EAGLE-2-style tree instead of a chain")
+@click.option("--tree-tokens", default=12, show_default=True, type=click.IntRange(1, 31),
+              help="drafted nodes per tree")
+@click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth")
+@click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
+@click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below")
+@click.option("--lookup/--no-lookup", default=True, show_default=True, help="with --draft-len auto, prompt-lookup drafts")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
+@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
+@click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
+@click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
+              help="auto: int8 weights on a CPU where int8 is measured accurate, else the fastest float")
+@click.option("--denoise", default=0.0, show_default=True, type=float,
+              help="drop draft keys whose importance gate is below this")
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
+              help="target KV cells")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind; anything but loopback warns")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port")
+@click.option("--api-key", envvar="HETERO_SPEC_API_KEY",
+              help="require 'Authorization: Bearer KEY' (env HETERO_SPEC_API_KEY)")
+@click.option("--max-queue", default=16, show_default=True, type=click.IntRange(0),
+              help="waiting requests; more get a 429")
+@click.option("--queue-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="seconds a request may wait for the model before a 503")
+@click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(1024),
+              help="largest request body in bytes (413)")
+@click.option("--model-alias", help="model id in /v1/models and requests (default: the GGUF file name, no .gguf)")
+def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
+          ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
+          model_alias) -> None:
+    """Serve MODEL (and DRAFT) over an OpenAI-compatible HTTP API (needs the [server] extra)."""
+    from .config import TreeSpec, parse_draft_len
+    from .server import EngineConfig, ServerConfig
+    from .server import serve as run_server
+
+    engine = EngineConfig(model=model, draft=None if no_draft else draft, n_ctx=ctx, threads=threads,
+                          draft_device=draft_device, draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise),
+                          kv_type=kv_type, draft_len=parse_draft_len(draft_len),
+                          tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None,
+                          draft_p_min=draft_p_min, lookup=lookup)
+    server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
+                          api_key=api_key or None, max_queue=max_queue, queue_timeout=queue_timeout,
+                          max_body_bytes=max_body)
+    run_server(engine, server)
+
+
 @cli.command("new-draft")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(["darter", "dovetail", "eagle"]), default="darter", show_default=True)
+@click.option("--preset", type=click.Choice(["darter", "dovetail", "eagle", "eagle3"]), default="darter",
+              show_default=True)
+@click.option("--taps", default="", help="target blocks whose input the draft reads (EAGLE-3 fusion), e.g. 2,15,27")
 @click.option("--blocks", type=click.IntRange(1), help="decoder blocks (default from the preset)")
 @click.option("--reduced-vocab", default=8192, show_default=True, type=click.IntRange(0),
               help="head rows kept (0 = full vocabulary); untrained drafts keep the lowest ids")
 @click.option("--seed", default=0, show_default=True)
-def new_draft(model, out, preset, blocks, reduced_vocab, seed) -> None:
+def new_draft(model, out, preset, taps, blocks, reduced_vocab, seed) -> None:
     """Write an untrained (randomly initialised) draft for MODEL; training replaces it with a useful one."""
     from .draft_factory import create_draft
 
-    path = create_draft(model, out, preset=preset, n_blocks=blocks, reduced_vocab=reduced_vocab, seed=seed)
+    try:
+        tap_list = tuple(int(x) for x in taps.split(",")) if taps else ()
+    except ValueError:
+        raise click.BadParameter(f"comma-separated block indices, not {taps!r}", param_hint="--taps") from None
+    path = create_draft(model, out, preset=preset, n_blocks=blocks, reduced_vocab=reduced_vocab, seed=seed,
+                        taps=tap_list)
     click.echo(f"wrote {path}")
 
 
@@ -126,6 +185,7 @@ EXTRA_COMMANDS: list[str] = [
     "converters.cli:quantize",
     "converters.cli:export_features",
     "converters.cli:merge_features",
+    "converters.cli:generate_corpus",
     "hetero_spec.train_cli:train",
     "hetero_spec.train_cli:analyze_attention",
     "hetero_spec.bench.cli:bench",

@@ -48,15 +48,23 @@ class DraftConfig:
     ffn_size: int = 1536
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
-    fusion: str = "dgf"  # "dgf" (Dovetail) | "fc" (EAGLE)
+    fusion: str = "dgf"  # "dgf" (Dovetail) | "fc" (EAGLE) | "eagle3" (EAGLE-3's decoder input)
     gate: str = "darter"  # "darter" (importance gate) | "none"
+    # Target blocks whose *input* the draft reads, fused by one linear layer (EAGLE-3; llama.cpp's
+    # extract_layers).  Empty: the target's final-norm hidden state f_t (EAGLE-1/2).
+    taps: tuple[int, ...] = ()
     reduced_vocab: int = 0  # 0 = full head; else number of target ids kept (mapping in the file)
     max_positions: int = 8192
     fingerprint: TargetFingerprint | None = None
 
     def __post_init__(self) -> None:
-        if self.fusion not in ("dgf", "fc"):
-            raise ConfigError(f"fusion must be 'dgf' or 'fc', not {self.fusion!r}")
+        object.__setattr__(self, "taps", tuple(int(i) for i in self.taps))
+        if self.fusion not in ("dgf", "fc", "eagle3"):
+            raise ConfigError(f"fusion must be 'dgf', 'fc' or 'eagle3', not {self.fusion!r}")
+        if self.fusion == "eagle3" and self.feature_size != self.hidden_size:
+            raise ConfigError("eagle3 fusion keeps g as the residual stream: it needs taps or hidden_size == n_embd")
+        if len(set(self.taps)) != len(self.taps) or any(i < 0 for i in self.taps):
+            raise ConfigError(f"taps must be distinct block indices, not {list(self.taps)}")
         if self.gate not in ("darter", "none"):
             raise ConfigError(f"gate must be 'darter' or 'none', not {self.gate!r}")
         if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
@@ -70,6 +78,16 @@ class DraftConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
+
+    @property
+    def feature_size(self) -> int:
+        """Width of g, the fusion's feature input: hidden_size with taps (after their fc), else n_embd."""
+        return self.hidden_size if self.taps else self.n_embd
+
+    @property
+    def input_size(self) -> int:
+        """Width of the rows the draft reads from the target per position."""
+        return len(self.taps) * self.n_embd if self.taps else self.n_embd
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -88,6 +106,7 @@ class DraftConfig:
 # Named draft shapes; the CLI's --preset and the trainer pick from here.
 DRAFT_PRESETS: dict[str, dict[str, Any]] = {
     "eagle": dict(fusion="fc", gate="none", n_blocks=1),
+    "eagle3": dict(fusion="eagle3", gate="none", n_blocks=1),
     "dovetail": dict(fusion="dgf", gate="none", n_blocks=2),
     "darter": dict(fusion="dgf", gate="darter", n_blocks=2),
 }
@@ -112,6 +131,11 @@ def draft_config_for(fingerprint: TargetFingerprint, preset: str = "darter", **o
     )
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
+
+# --draft-dtype values (draft/runner.py).  auto: bf16 on CUDA; on a CPU int8 weights when an int8 mode is
+# measured accurate there, else the fastest float.  int8 takes whichever int8 mode is accurate;
+# int8-full and int8-reduced force 8- or 7-bit activations (draft/int8.py), for tests and comparisons.
+DRAFT_DTYPES = ("auto", "int8", "int8-full", "int8-reduced", "float32", "bfloat16", "float16")
 
 # KV cell types of the target's llama.cpp contexts.  q8_0 is the default because quantized cells
 # keep verification bit-identical to plain decoding at any length (see TargetOptions.kv_type).

@@ -17,14 +17,15 @@ def draft_config_for(target: LlamaTarget, preset: str = "darter", **overrides) -
 
 
 def create_draft(model: str | Path, out: str | Path, *, preset: str = "darter", n_blocks: int | None = None,
-                 reduced_vocab: int = 0, seed: int = 0) -> Path:
+                 reduced_vocab: int = 0, seed: int = 0, taps: tuple[int, ...] = ()) -> Path:
     import torch
 
     from .draft.checkpoint import save_draft
     from .draft.model import DraftModel, init_weights
 
     with LlamaTarget(model, TargetOptions(n_ctx=64, embeddings=False)) as target:
-        cfg = draft_config_for(target, preset, n_blocks=n_blocks, reduced_vocab=min(reduced_vocab, target.n_vocab))
+        cfg = draft_config_for(target, preset, n_blocks=n_blocks, reduced_vocab=min(reduced_vocab, target.n_vocab),
+                               taps=tuple(taps) or None)
     model_ = init_weights(DraftModel(cfg), seed)
     if cfg.reduced_vocab:
         model_.d2t = torch.arange(cfg.reduced_vocab, dtype=torch.int64)

@@ -11,7 +11,8 @@ Each shard holds whole sequences, concatenated:
 | seq_starts      | int64            | [S + 1]      | offsets of the sequences in the rows above      |
 | topk_ids        | int32, optional  | [N, K]       | the target's top-K next-token ids at t          |
 | topk_logprobs   | float16, optional| [N, K]       | their log-probabilities                         |
-| layer_<i>       | float16, optional| [N, n_embd]  | hidden state after block i (multi-layer fusion) |
+| layer_<i>       | float16, optional| [N, n_embd]  | hidden state after block i (export --layers)    |
+| tap_<i>         | float16, optional| [N, n_embd]  | the input of block i (EAGLE-3 fusion; corpus)   |
 
 Shards are written to a temporary name and renamed, so a shard that exists is complete;
 an interrupted export keeps every finished shard and resumes after them.
@@ -136,13 +137,47 @@ def write_shard(path: str | Path, sequences: list[FeatureSequence], metadata: di
     return ShardInfo(path.name, len(sequences), int(lengths.sum()), int(tensors["loss_mask"].sum()))
 
 
-def read_shard(path: str | Path) -> list[FeatureSequence]:
+_NP_DTYPES = {"F16": np.float16, "F32": np.float32, "BF16": None, "I32": np.int32, "I64": np.int64, "U8": np.uint8}
+
+
+def _map_shard(path: Path, keys: set[str] | None) -> dict[str, np.ndarray]:
+    """Read-only memory maps of a shard's tensors (``keys`` only, when given).
+
+    WHY not ``safetensors.numpy.load_file``: it copies every tensor into memory, and a corpus with
+    EAGLE-3 taps is tens of GB; mapped, the page cache holds what training touches and two trainers
+    share it.  The format is 8 bytes of header length, a JSON header, then the raw tensors."""
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    base = 8 + n
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__" or (keys is not None and key not in keys):
+            continue
+        dtype = _NP_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise FeatureError(f"{path}: tensor {key} has dtype {info['dtype']}, which this reader does not map")
+        a, b = info["data_offsets"]
+        shape = tuple(info["shape"])
+        out[key] = (np.memmap(path, dtype=dtype, mode="r", offset=base + a, shape=shape) if b > a
+                    else np.zeros(shape, dtype=dtype))
+    return out
+
+
+def read_shard(path: str | Path, *, mmap: bool = False, keys: set[str] | None = None) -> list[FeatureSequence]:
+    """The sequences of one shard; ``mmap`` maps the tensors instead of reading them, and ``keys`` limits
+    the optional tensors to those named (input_ids, hidden, loss_mask and seq_starts always come)."""
     from safetensors.numpy import load_file
 
+    wanted = None if keys is None else set(keys) | {"input_ids", "hidden", "loss_mask", "seq_starts"}
     try:
-        t = load_file(str(path))
+        t = _map_shard(Path(path), wanted) if mmap else load_file(str(path))
+    except FeatureError:
+        raise
     except Exception as exc:  # safetensors raises several types on a damaged file
         raise FeatureError(f"{path} is unreadable: {exc}") from None
+    if wanted is not None:
+        t = {k: v for k, v in t.items() if k in wanted}
     starts = t.pop("seq_starts")
     ids, hidden, mask = t.pop("input_ids"), t.pop("hidden"), t.pop("loss_mask")
     out = []
@@ -151,7 +186,7 @@ def read_shard(path: str | Path) -> list[FeatureSequence]:
     return out
 
 
-def iter_sequences(folder: str | Path) -> Iterator[FeatureSequence]:
+def iter_sequences(folder: str | Path, *, mmap: bool = False, keys: set[str] | None = None) -> Iterator[FeatureSequence]:
     folder = Path(folder)
     for shard in read_manifest(folder).shards:
-        yield from read_shard(folder / shard.file)
+        yield from read_shard(folder / shard.file, mmap=mmap, keys=keys)

@@ -34,7 +34,12 @@ def _target_parts(model: Path):
 @click.option("--target", "model", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="the GGUF whose features these are (its head and embedding are borrowed)")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="draft .safetensors")
-@click.option("--variant", type=click.Choice(["darter", "dovetail", "eagle"]), default="darter", show_default=True)
+@click.option("--variant", type=click.Choice(["darter", "dovetail", "eagle", "eagle3"]), default="darter",
+              show_default=True, help="eagle3: EAGLE-3's decoder input (exportable to llama.cpp); needs --taps")
+@click.option("--taps", default="", help="target blocks whose input the draft reads (EAGLE-3 fusion), e.g. 2,15,27; "
+                                          "the features must hold them (generate-corpus --taps)")
+@click.option("--hole-prob", default=0.3, show_default=True, type=click.FloatRange(0, 1),
+              help="share of sequences trained with their prompt hidden, as after the runtime's lazy prefill")
 @click.option("--blocks", type=click.IntRange(1), help="decoder blocks (default from the variant)")
 @click.option("--reduced-vocab", default=8192, show_default=True, type=click.IntRange(0), help="0 = full head")
 @click.option("--epochs", default=4, show_default=True, type=click.IntRange(1))
@@ -53,8 +58,9 @@ def _target_parts(model: Path):
               help="auto: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX)")
 @click.option("--resume", is_flag=True, help="continue from OUT's checkpoint folder")
 @click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
-def train(features, model, out, variant, blocks, reduced_vocab, epochs, max_steps, time_budget, lr, batch_tokens,
-          grad_accum, unroll, noise, max_len, seed, device, threads, precision, resume, loss_weights) -> None:
+def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab, epochs, max_steps, time_budget, lr,
+          batch_tokens, grad_accum, unroll, noise, max_len, seed, device, threads, precision, resume,
+          loss_weights) -> None:
     """Distil a draft for MODEL from exported FEATURES folders (see export-features); several folders
     (say self-distilled and plain data) train together."""
     from .train.loop import TrainConfig
@@ -62,11 +68,18 @@ def train(features, model, out, variant, blocks, reduced_vocab, epochs, max_step
     from .train.losses import LossWeights
 
     try:
+        tap_list = tuple(int(x) for x in taps.split(",")) if taps else ()
+    except ValueError:
+        raise HeteroSpecError(f"--taps takes comma-separated block indices, not {taps!r}") from None
+    if variant == "eagle3" and not tap_list:
+        raise HeteroSpecError("--variant eagle3 reads target taps: give --taps (e.g. 2,15,27)")
+    try:
         overrides = json.loads(loss_weights) if loss_weights else {}
         weights = replace(LossWeights(recipe="eagle" if variant in ("eagle", "dovetail") else "darter"), **overrides)
     except (ValueError, TypeError) as exc:
         raise HeteroSpecError(f"bad --loss-weights: {exc}") from None
-    cfg = TrainConfig(variant=variant, n_blocks=blocks, reduced_vocab=reduced_vocab, epochs=epochs,
+    cfg = TrainConfig(variant=variant, taps=tap_list, hole_prob=hole_prob, n_blocks=blocks, reduced_vocab=reduced_vocab,
+                      epochs=epochs,
                       max_steps=max_steps, time_budget_s=time_budget * 60, lr=lr, batch_tokens=batch_tokens,
                       grad_accum=grad_accum, unroll_steps=unroll, noise=noise, max_len=max_len, seed=seed,
                       device=device, threads=threads, precision=precision, loss=weights)

@@ -7,25 +7,18 @@ Ratios are measured side by side in one run; repeat with --repeats for medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 from converters.export_features import extract
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.chat_template import render_chat
 from hetero_spec.default_model import default_model_path
 from hetero_spec.target.batch_generate import BatchGenerator, GenerateOptions
 from hetero_spec.target.layer_taps import LayerTapTarget
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
-
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "bench"
-
-
-def bench_prompts(name: str, n: int) -> list[str]:
-    rows = [json.loads(x) for x in (BENCH / f"{name}.jsonl").read_text().splitlines() if x.strip()]
-    return [r["turns"][0] for r in rows[:n]]
 
 
 def main() -> None:

@@ -10,26 +10,21 @@ where this holds, so run it on every file format you use as a target.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
+from hetero_spec.bench.prompts import bench_prompts as first_turns
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "bench"
 FILLER = (" and then the answer is forty two because the farmer sold sixteen eggs at the market on"
           " Tuesday, kept three for breakfast, baked muffins with four more and gave the rest away to"
           " neighbours who asked politely for them every single morning of the long and busy week ahead")
 
 
-def first_turns(name: str, n: int) -> list[str]:
-    rows = [json.loads(x) for x in (BENCH / f"{name}.jsonl").read_text().splitlines() if x.strip()]
-    return [r["turns"][0] for r in rows[:n]]
-
-
 def verify_matches(path: Path, max_n: int) -> dict[int, bool]:
-    with LlamaTarget(path, TargetOptions(n_ctx=1024, n_batch=max_n)) as t:
+    # below 32 rows a batch this llama.cpp aborts (n_outputs_max assertion); a larger batch changes nothing here
+    with LlamaTarget(path, TargetOptions(n_ctx=1024, n_batch=max(max_n, 32))) as t:
         prompt = t.tokenize(first_turns("gsm8k", 1)[0])
         extra = t.tokenize(FILLER * 3, add_special=False)[:max_n]
         t.prefill(prompt)

@@ -1,24 +1,15 @@
 """Shared fixtures: the real default GGUF, the benchmark prompts, an untrained draft for it."""
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts  # noqa: F401  (the shipped sets, package data)
 from hetero_spec.default_model import shipped_model_path
 
 warnings.filterwarnings("ignore", message=".*quantiz.*", category=UserWarning)
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "bench"
-
-
-def bench_prompts(name: str, n: int) -> list[str]:
-    """First turns of ../shared/data/bench/<name>.jsonl (the checkout sits beside shared/)."""
-    path = BENCH_DIR / f"{name}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ class RunResult:
     prefill_s: float | None = None  # time to the first generated token, where known
     stats: dict[str, Any] | None = None  # RunStats.to_dict() for hetero-spec runs
     rounds: tuple[Round, ...] = ()
+    engine: dict[str, Any] | None = None  # an external engine's own report (llama-server timings, drafts)
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,6 +53,9 @@ class BenchTarget:
     lookup_tokens: int = 2  # llama-cpp-python's advice for CPU-only machines (10 is its GPU default)
     tree: TreeSpec = TreeSpec()  # the shape of the ``tree`` method (the bounds of ``auto-tree``)
     kv_type: str = DEFAULT_KV_TYPE  # every method's KV cells, so that all compute the same numbers
+    llama_draft_model: Path | None = None  # a draft GGUF for llama.cpp-draft (llama.cpp's classic speculation)
+    eagle3_gguf: Path | None = None  # an EAGLE-3 draft GGUF for llama.cpp-eagle3
+    llama_args: tuple[str, ...] = ()  # extra llama-server arguments for every llama.cpp-* method
 
 
 class RawRun:

@@ -24,7 +24,8 @@ def _split(value: str) -> tuple[str, ...]:
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--k", default=3, show_default=True, type=click.IntRange(1, 31), help="draft tokens per round (chain)")
 @click.option("--methods", default="raw,llama-cpp,prompt-lookup,chain", show_default=True,
-              help="comma-separated from the registry (raw is always run: it is the baseline)")
+              help="comma-separated from the registry (raw is always run: it is the baseline); also "
+                   "llama-server, llama.cpp-ngram, llama.cpp-draft, llama.cpp-eagle3 (scripts/build_llama_cpp.sh)")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="threads for every method (0 = all cores)")
 @click.option("--ctx", default=2048, show_default=True, type=click.IntRange(64), help="context size")
 @click.option("--draft-device", default="cpu", show_default=True)
@@ -37,32 +38,52 @@ def _split(value: str) -> tuple[str, ...]:
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
               help="KV cells of every method (q8_0 keeps verification bit-identical to plain decoding; f16 is llama.cpp's default)")
+@click.option("--llama-draft-model", type=_FILE,
+              help="draft GGUF for llama.cpp-draft (same vocabulary as MODEL, e.g. the plain SmolLM2 Q4_0 "
+                   "for a cost-equivalent target)")
+@click.option("--eagle3-gguf", type=_FILE, help="EAGLE-3 draft GGUF for llama.cpp-eagle3")
+@click.option("--llama-args", default="", help="extra llama-server arguments for the llama.cpp* methods "
+                                                "(space-separated, e.g. '--spec-ngram-simple-size-n 4')")
+@click.option("--project", "curves", multiple=True, metavar="CURVE",
+              help="also project each speculative method's recorded rounds onto a cost curve: a shipped "
+                   "name (this-machine, laptop-7b-q4_0) or a calibration JSON; repeatable")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
-          lookup_tokens, tree_tokens, tree_depth, tree_top_k, kv_type, out) -> None:
-    """Time raw llama.cpp, llama-cpp-python and hetero-spec side by side on the same prompts."""
+          lookup_tokens, tree_tokens, tree_depth, tree_top_k, kv_type, llama_draft_model, eagle3_gguf, llama_args,
+          curves, out) -> None:
+    """Time raw llama.cpp, llama-cpp-python, llama.cpp's own speculation and hetero-spec side by side."""
     from tqdm import tqdm
 
     from ..target.llama_target import default_threads
     from .baselines import BenchTarget
-    from .harness import BASELINE, BenchConfig, load_dataset, run_bench
+    from .harness import BenchConfig, load_dataset, run_bench
+    from .projection import load_curve, project_result
     from .report import markdown, write_bench
 
     cfg = BenchConfig(
         target=BenchTarget(model, draft, threads=threads or default_threads(), n_ctx=ctx, k=k,
                            draft_device=draft_device, draft_dtype=draft_dtype, lookup_tokens=lookup_tokens,
-                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k), kv_type=kv_type),
+                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k), kv_type=kv_type,
+                           llama_draft_model=llama_draft_model, eagle3_gguf=eagle3_gguf,
+                           llama_args=tuple(llama_args.split())),
         datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
     )
     if not cfg.datasets or not cfg.methods:
         raise HeteroSpecError("--datasets and --methods need at least one entry each")
-    n_runs = sum(len(load_dataset(d, n_prompts).prompts) for d in cfg.datasets) * len({BASELINE, *cfg.methods})
-    with tqdm(desc="bench", unit="run", total=n_runs) as bar:
+    loaded = dict(load_curve(c) for c in curves)  # bad names fail here, before minutes of benchmarking
+    for d in cfg.datasets:
+        load_dataset(d, n_prompts)  # a bad name or file fails here, before any model loads
+    with tqdm(desc="bench", unit="run") as bar:
         def step(method: str) -> None:
             bar.set_postfix_str(method)
             bar.update(1)
 
-        result = run_bench(cfg, progress=step)
+        def planned(total: int) -> None:
+            bar.total = total
+            bar.refresh()
+
+        result = run_bench(cfg, progress=step, planned=planned)
+    result.projections = project_result(result, loaded) if loaded else []
     paths = write_bench(result, out)
     click.echo(markdown(result))
     click.echo("wrote " + ", ".join(str(p) for p in paths), err=True)

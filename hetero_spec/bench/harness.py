@@ -12,26 +12,18 @@ shared ``BenchContext``.  Adding a hetero-spec variant is one entry, e.g.
 """
 from __future__ import annotations
 
-import json
-import os
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..errors import HeteroSpecError
 from .baselines import BenchTarget, HeteroSpecRun, LlamaCppRun, RawRun, RunResult, Runner
+from .llama_server import LlamaServerRun, MethodUnavailable, ServerMethod
+from .prompts import DATASETS, Dataset, load_dataset
+from .results import BenchResult, PromptRecord, round_row
 
 BASELINE = "raw"
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca")
 DEFAULT_METHODS = ("raw", "llama-cpp", "prompt-lookup", "chain")
-
-
-def bench_dir() -> Path:
-    """The shipped prompt sets: ``$HETERO_SPEC_BENCH_DIR`` or ../shared/data/bench beside the checkout."""
-    env = os.environ.get("HETERO_SPEC_BENCH_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data" / "bench"
 
 
 # ----------------------------------------------------------------------- methods
@@ -49,6 +41,16 @@ class BenchContext:
 
     def hetero_run(self, **options: Any) -> HeteroSpecRun:
         return HeteroSpecRun(self.hs, **options)
+
+    def llama_server_run(self, method: ServerMethod) -> LlamaServerRun:
+        """llama.cpp's own speculation on a llama-server with this bench's target, threads and KV cells."""
+        from ..target.llama_target import kv_type_id
+
+        t = self.hs.target
+        # Where the model cannot hold quantized cells, the target fell back to F16: so does the server.
+        kv = self.target.kv_type if kv_type_id(self.target.kv_type, t._model) == kv_type_id(self.target.kv_type) else "f16"
+        return self.own(LlamaServerRun(self.target, method, kv,
+                                       lambda ids: t.detokenize([i for i in ids if not t.is_eog(i)])))
 
     def own(self, runner: Runner) -> Runner:
         self._closers.append(runner.close)
@@ -97,42 +99,20 @@ register(Method("tree", "hetero-spec dynamic tree of a fixed shape (--tree-token
 register(Method("auto-tree", "hetero-spec dynamic tree sized per round from the cost curve",
                 lambda c: c.hetero_run(draft_len="auto", tree=c.target.tree), needs_draft=True, speculative=True))
 
-
-# ----------------------------------------------------------------------- prompts
-@dataclass(frozen=True)
-class Dataset:
-    name: str
-    prompts: tuple[str, ...]  # first user turns
-
-
-def load_dataset(spec: str, n: int) -> Dataset:
-    """A shipped set by name, or a JSONL file whose lines carry ``turns`` (a list of user turns)."""
-    path = Path(spec)
-    if spec in DATASETS and not path.exists():
-        path, name = bench_dir() / f"{spec}.jsonl", spec
-        if not path.is_file():
-            raise HeteroSpecError(f"bench prompts not found at {path} (set HETERO_SPEC_BENCH_DIR or pass a path)")
-    elif path.is_file():
-        name = path.stem
-    else:
-        raise HeteroSpecError(f"unknown dataset {spec!r}: use {', '.join(DATASETS)} or a path to a JSONL file")
-    prompts = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            turns = json.loads(line)["turns"]
-            first = turns[0] if isinstance(turns, list) else None
-        except (ValueError, KeyError, TypeError, IndexError):
-            first = None
-        if not isinstance(first, str) or not first.strip():
-            raise HeteroSpecError(f"{path}:{i}: expected a JSON object with a non-empty list 'turns' of strings")
-        prompts.append(first)
-        if len(prompts) == n:
-            break
-    if not prompts:
-        raise HeteroSpecError(f"{path} holds no prompts")
-    return Dataset(name, tuple(prompts))
+# llama.cpp's own speculative decoding (scripts/build_llama_cpp.sh builds the server).  The n-gram
+# method runs llama.cpp's ngram-simple at its own defaults (a 12-token match drafts up to 48 tokens);
+# the draft methods draft --k tokens per round, like ``chain``.  --llama-args adds or overrides flags.
+LLAMA_NGRAM = ServerMethod(("--spec-type", "ngram-simple"))
+LLAMA_DRAFT = ServerMethod(("--spec-type", "draft-simple"), needs="llama_draft_model")
+LLAMA_EAGLE3 = ServerMethod(("--spec-type", "draft-eagle3"), needs="eagle3_gguf")
+register(Method("llama-server", "llama-server without speculation (llama.cpp's own plain decoding)",
+                lambda c: c.llama_server_run(ServerMethod(()))))
+register(Method("llama.cpp-ngram", "llama-server --spec-type ngram-simple (n-gram lookup in the context)",
+                lambda c: c.llama_server_run(LLAMA_NGRAM)))
+register(Method("llama.cpp-draft", "llama-server --spec-type draft-simple -md --llama-draft-model (a small draft GGUF)",
+                lambda c: c.llama_server_run(LLAMA_DRAFT)))
+register(Method("llama.cpp-eagle3", "llama-server --spec-type draft-eagle3 -md --eagle3-gguf (an EAGLE-3 draft GGUF)",
+                lambda c: c.llama_server_run(LLAMA_EAGLE3)))
 
 
 # ---------------------------------------------------------------------- the run
@@ -156,46 +136,23 @@ class BenchConfig:
             raise HeteroSpecError("--n-prompts and --max-new-tokens must be at least 1")
 
 
-@dataclass
-class PromptRecord:
-    method: str
-    dataset: str
-    index: int
-    prompt_tokens: int
-    new_tokens: int
-    wall_s: float
-    tokens_per_s: float
-    speedup: float  # over the baseline on this prompt
-    equal: bool  # same output as the baseline (ids where the API gives them, else text)
-    text: str = ""
-    same_text_as: list[str] = field(default_factory=list)  # the other methods that wrote the same text
-    prefill_s: float | None = None
-    stats: dict[str, Any] | None = None
-    accepted: list[int] = field(default_factory=list)  # accepted drafts per round
-
-
-@dataclass
-class BenchResult:
-    meta: dict[str, Any]
-    records: list[PromptRecord]
-
-    def to_dict(self) -> dict[str, Any]:
-        from .report import summarize
-
-        return {"meta": self.meta, "summary": summarize(self), "prompts": [asdict(r) for r in self.records]}
-
-
-def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Every method on every prompt; ``progress`` is called with the method name after each run."""
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None,
+              planned: Callable[[int], None] | None = None) -> BenchResult:
+    """Every method on every prompt; ``progress`` is called with the method name after each run,
+    ``planned`` once with the number of runs (methods that cannot run here are not counted)."""
     from ..target.llama_target import default_threads
 
     datasets = [load_dataset(d, cfg.n_prompts) for d in cfg.datasets]
     methods = [BASELINE] + [m for m in cfg.methods if m != BASELINE]
     ctx = BenchContext(cfg.target)
     try:
+        runners, not_run = _build_runners(ctx, methods)
+        methods = [m for m in methods if m in runners]
         meta = _meta(cfg, ctx, methods, threads=cfg.target.threads or default_threads())
-        runners = {m: METHODS[m].build(ctx) for m in methods}
+        meta["not_run"] = not_run
         prompts = [(d.name, i, _prompt_ids(ctx, text)) for d in datasets for i, text in enumerate(d.prompts)]
+        if planned:
+            planned(len(prompts) * len(methods))
         longest = max(len(ids) for _, _, ids in prompts)
         if longest + cfg.max_new_tokens + 8 > cfg.target.n_ctx:
             raise HeteroSpecError(f"a prompt of {longest} tokens plus {cfg.max_new_tokens} new ones does not fit "
@@ -217,6 +174,19 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     return BenchResult(meta, records)
 
 
+def _build_runners(ctx: BenchContext, methods: list[str]) -> tuple[dict[str, Runner], dict[str, str]]:
+    """A runner per method; a method that cannot run here (a tool not built, a file not given) is
+    left out with its reason, which the report prints, instead of failing the whole bench."""
+    runners: dict[str, Runner] = {}
+    not_run: dict[str, str] = {}
+    for m in methods:
+        try:
+            runners[m] = METHODS[m].build(ctx)
+        except MethodUnavailable as exc:
+            not_run[m] = str(exc)
+    return runners, not_run
+
+
 def _prompt_ids(ctx: BenchContext, text: str) -> list[int]:
     hs = ctx.hs
     return hs.target.tokenize(hs.render([{"role": "user", "content": text}]), add_special=False, parse_special=True)
@@ -232,8 +202,10 @@ def _records(results: dict[str, RunResult], dataset: str, index: int, n_prompt: 
             wall_s=r.wall_s, tokens_per_s=r.tokens_per_s,
             speedup=r.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else 0.0,
             equal=bool(equal), text=r.text,
-            same_text_as=[o for o, ro in results.items() if o != m and ro.text == r.text], prefill_s=r.prefill_s, stats=r.stats,
-            accepted=[rd.accepted for rd in r.rounds if rd.drafted > 0],
+            same_text_as=[o for o, ro in results.items() if o != m and ro.text == r.text], prefill_s=r.prefill_s,
+            stats=r.stats, accepted=[rd.accepted for rd in r.rounds if rd.drafted > 0],
+            rounds=[round_row(rd) for rd in r.rounds], engine=r.engine,
+            compared_by="tokens" if r.tokens is not None else "text",
         ))
     return out
 
@@ -259,10 +231,23 @@ def _meta(cfg: BenchConfig, ctx: BenchContext, methods: list[str], threads: int)
         "datasets": list(cfg.datasets),
         "methods": {m: METHODS[m].description for m in methods},
         "speculative": [m for m in methods if METHODS[m].speculative],
+        "llama_cpp": _llama_meta(t, methods),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "timing": "wall time per prompt including prefill; speedup = median over prompts of tok/s ratio to raw",
     }
 
 
+def _llama_meta(t: BenchTarget, methods: list[str]) -> dict[str, Any] | None:
+    """Which llama.cpp build and draft files the llama.cpp-* methods used (None if none ran)."""
+    if not any(m.startswith(("llama.cpp", "llama-server")) for m in methods):
+        return None
+    from .llama_server import tools_dir
+
+    info = tools_dir() / "BUILD_INFO"
+    return {"tools": str(tools_dir()), "build": info.read_text().splitlines() if info.is_file() else None,
+            "draft_model": t.llama_draft_model.name if t.llama_draft_model else None,
+            "eagle3_gguf": t.eagle3_gguf.name if t.eagle3_gguf else None, "extra_args": list(t.llama_args)}
+
+
 __all__ = ["METHODS", "Method", "register", "BenchConfig", "BenchContext", "run_bench", "load_dataset",
-           "BenchResult", "PromptRecord", "DATASETS"]
+           "BenchResult", "PromptRecord", "DATASETS", "Dataset", "MethodUnavailable"]

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
+
+from .results import ROUND_FIELDS, BenchResult, PromptRecord
 
 if TYPE_CHECKING:
     from ..calibration import CostCurve
-    from .harness import BenchResult, PromptRecord
 
 
-def summarize(result: "BenchResult") -> list[dict[str, Any]]:
+def summarize(result: BenchResult) -> list[dict[str, Any]]:
     rows = []
     methods = list(dict.fromkeys(r.method for r in result.records))
     datasets = list(dict.fromkeys(r.dataset for r in result.records))
@@ -28,7 +30,7 @@ def summarize(result: "BenchResult") -> list[dict[str, Any]]:
     return rows
 
 
-def _summary(method: str, dataset: str, recs: list["PromptRecord"]) -> dict[str, Any]:
+def _summary(method: str, dataset: str, recs: list[PromptRecord]) -> dict[str, Any]:
     wall = sum(r.wall_s for r in recs)
     new = sum(r.new_tokens for r in recs)
     row: dict[str, Any] = {
@@ -50,6 +52,10 @@ def _summary(method: str, dataset: str, recs: list["PromptRecord"]) -> dict[str,
         decode = [(r.new_tokens - 1) / (r.wall_s - r.prefill_s) for r in recs
                   if r.new_tokens > 1 and r.wall_s > r.prefill_s]
         row["decode_tokens_per_s"] = statistics.median(decode) if decode else None
+    engine = [r.engine for r in recs if r.engine]
+    steps = sum(e.get("verify_steps", 0) for e in engine)
+    if len(engine) == len(recs) and steps:  # llama-server's counters: drafted rounds, accepted drafts
+        row["mean_accepted_length"] = 1 + sum(e["accepted"] for e in engine) / steps
     stats = [r.stats for r in recs if r.stats]
     if len(stats) == len(recs):
         rounds = sum(s["rounds"] for s in stats)
@@ -74,7 +80,7 @@ def _tree(shape: dict | None) -> str:
     return f"{shape['total_tokens']} tokens, depth {shape['depth']}, top-{shape['top_k']}"
 
 
-def markdown(result: "BenchResult") -> str:
+def markdown(result: BenchResult) -> str:
     meta = result.meta
     lines = [
         f"# hetero-spec bench: {meta['model']}",
@@ -108,15 +114,45 @@ def markdown(result: "BenchResult") -> str:
         cells = ["-" if o == m else f"{r['same_text_as'].get(o, 0)}/{r['prompts']}" for o in methods]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += ["", "Methods:", ""] + [f"- `{m}`: {d}" for m, d in meta["methods"].items()]
+    text_only = sorted({r.method for r in result.records if r.compared_by == "text"})
+    if text_only:
+        lines += ["", f"Compared with raw by text (their API returns no ids): {', '.join(text_only)}; "
+                      "all others by token ids."]
+    if meta.get("not_run"):
+        lines += ["", "Not run:", ""] + [f"- `{m}`: {why}" for m, why in meta["not_run"].items()]
+    if result.projections:
+        lines += ["", *projection_markdown(result.projections)]
     return "\n".join(lines) + "\n"
 
 
-def write_bench(result: "BenchResult", out: str | Path) -> list[Path]:
+def projection_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The projections table: replayed rounds priced by a cost curve, beside the measured decode speedup."""
+    out = ["## Projected speedups (PROJECTIONS, not measurements)", "",
+           "Each prompt's recorded rounds replayed against a cost curve: a round costs t(rows)/t(1) plus its draft "
+           "steps x draft step / t(1); plain decoding costs 1 per token.  Decode only (prefill excluded), orchestrator "
+           "overhead excluded.  `measured decode` is this run's decode speedup over raw on the same prompts.", "",
+           "| curve | method | dataset | projected speedup | measured decode speedup | tokens/round |",
+           "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['curve']} | {r['method']} | {r['dataset']} | {r['projected_speedup']:.2f}x | "
+                   f"{_fmt(r.get('measured_decode_speedup'))}{'x' if r.get('measured_decode_speedup') else ''} | "
+                   f"{r['tokens_per_round']:.2f} |")
+    return out
+
+
+def bench_dict(result: BenchResult) -> dict[str, Any]:
+    """Everything as JSON-ready data: meta, summary rows, every prompt's record, projections."""
+    meta = dict(result.meta, round_fields=list(ROUND_FIELDS))
+    return {"meta": meta, "summary": summarize(result), "prompts": [asdict(r) for r in result.records],
+            "projections": result.projections}
+
+
+def write_bench(result: BenchResult, out: str | Path) -> list[Path]:
     """bench.json, bench.md, speedup.png and accepted_length.png under ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json", out / "bench.md"]
-    paths[0].write_text(json.dumps(result.to_dict(), indent=2))
+    paths[0].write_text(json.dumps(bench_dict(result), indent=1))
     paths[1].write_text(markdown(result))
     paths.append(plot_speedup(result, out / "speedup.png"))
     hist = plot_accepted(result, out / "accepted_length.png")
@@ -134,7 +170,7 @@ def _pyplot():
     return plt
 
 
-def plot_speedup(result: "BenchResult", path: Path) -> Path:
+def plot_speedup(result: BenchResult, path: Path) -> Path:
     plt = _pyplot()
     rows = [r for r in summarize(result) if r["method"] != "raw"]
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -156,7 +192,7 @@ def plot_speedup(result: "BenchResult", path: Path) -> Path:
     return path
 
 
-def plot_accepted(result: "BenchResult", path: Path) -> Path | None:
+def plot_accepted(result: BenchResult, path: Path) -> Path | None:
     """Histogram of accepted drafts per round, one bar group per speculative method; None if none ran."""
     spec = [m for m in result.meta.get("speculative", [])]
     data = {m: [a for r in result.records if r.method == m for a in r.accepted] for m in spec}

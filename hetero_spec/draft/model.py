@@ -1,13 +1,22 @@
 """The draft network: feature fusion, m gated decoder blocks, frozen target head.
 
-Input at position t is the target's final hidden state f_t and the embedding of the
-next token x_{t+1}; the output is a prediction of f_{t+1}, which the target's own LM
-head turns into a distribution over x_{t+2}.
+Input at position t is a feature g_t of the target and the embedding of the next token
+x_{t+1}; the output is a prediction of f_{t+1} (the target's final-norm hidden state), which
+the target's own LM head turns into a distribution over x_{t+2}.
 
-Fusion (registry ``FUSIONS``):
-  * ``dgf`` (Dovetail):  h1 = f W1;  h2 = SiLU(RMSNorm(e) W2);  z = sigmoid([h1; h2] Wz);
-    g = z * h1 + (1 - z) * h2
-  * ``fc`` (EAGLE):      g = W [e; f] + b
+What g is (``DraftConfig.taps``):
+  * no taps (EAGLE-1/2): g_t = f_t, the final-norm hidden state; a drafted position feeds
+    back the draft's own predicted f.
+  * taps (EAGLE-3): g_t = W_taps [h^(a)_t; h^(b)_t; h^(c)_t], the inputs of low, middle and
+    high target blocks; a drafted position feeds back the draft's pre-norm output, as
+    EAGLE-3 and llama.cpp's EAGLE-3 graph do.
+
+Fusion of g with e = embed(x_{t+1}) (registry ``FUSIONS``):
+  * ``dgf`` (Dovetail):  h1 = g W1;  h2 = SiLU(RMSNorm(e) W2);  z = sigmoid([h1; h2] Wz);
+    x = z * h1 + (1 - z) * h2
+  * ``fc`` (EAGLE):      x = W [e; g] + b
+  * ``eagle3``:          x = g, and the first block's attention reads [RMSNorm(e); RMSNorm(g)]
+    (2 x hidden wide) instead of RMSNorm(x): EAGLE-3's decoder layer, exportable to llama.cpp.
 
 Gate ``darter`` (DarterSD): every key token j gets an importance s_j = sigmoid(w . x_j + b)
 per block, and its attention logit is shifted by log s_j.  At inference, keys whose s_j
@@ -40,16 +49,16 @@ class DynamicGatingFusion(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         d, h = cfg.n_embd, cfg.hidden_size
-        self.w1 = nn.Linear(d, h, bias=False)
+        self.w1 = nn.Linear(cfg.feature_size, h, bias=False)
         self.w2 = nn.Linear(d, h, bias=False)
         self.emb_norm = RMSNorm(d, cfg.rms_eps)
         self.wz = nn.Linear(2 * h, h, bias=True)
 
-    def forward(self, f: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def forward(self, f: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, None]:
         h1 = self.w1(f)
         h2 = F.silu(self.w2(self.emb_norm(e)))
         z = torch.sigmoid(self.wz(torch.cat((h1, h2), dim=-1)))
-        return h2 + z * (h1 - h2)  # = z*h1 + (1-z)*h2 with one op fewer
+        return h2 + z * (h1 - h2), None  # = z*h1 + (1-z)*h2 with one op fewer
 
 
 class ConcatFusion(nn.Module):
@@ -57,13 +66,28 @@ class ConcatFusion(nn.Module):
 
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(2 * cfg.n_embd, cfg.hidden_size, bias=True)
+        self.fc = nn.Linear(cfg.n_embd + cfg.feature_size, cfg.hidden_size, bias=True)
 
-    def forward(self, f: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat((e, f), dim=-1))
+    def forward(self, f: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.fc(torch.cat((e, f), dim=-1)), None
 
 
-FUSIONS: dict[str, type[nn.Module]] = {"dgf": DynamicGatingFusion, "fc": ConcatFusion}
+class Eagle3Fusion(nn.Module):
+    """EAGLE-3's decoder input: the residual stream starts as g, and the first block's q/k/v read
+    [RMSNorm(e); RMSNorm(g)] (llama.cpp's ``input_layernorm`` and ``hidden_norm``)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.emb_norm = RMSNorm(cfg.n_embd, cfg.rms_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def forward(self, g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return g, torch.cat((self.emb_norm(e), self.hidden_norm(g)), dim=-1)
+
+
+# Each returns (x, attn_in): the residual stream and, when not None, what the first block's q/k/v read
+# instead of RMSNorm(x).
+FUSIONS: dict[str, type[nn.Module]] = {"dgf": DynamicGatingFusion, "fc": ConcatFusion, "eagle3": Eagle3Fusion}
 
 
 def rope_tables(cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,27 +109,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DraftBlock(nn.Module):
     """Llama decoder block (RMSNorm, GQA with RoPE, SwiGLU) with an optional importance gate."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, attn_in: int | None = None) -> None:
+        """``attn_in``: width of an input the fusion hands this block's q/k/v instead of RMSNorm(x)."""
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, hd
-        self.attn_norm = RMSNorm(h, cfg.rms_eps)
-        self.qkv = nn.Linear(h, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=False)
+        self.attn_norm = RMSNorm(h, cfg.rms_eps) if attn_in is None else None
+        self.qkv = nn.Linear(attn_in or h, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=False)
         self.o = nn.Linear(cfg.n_heads * hd, h, bias=False)
         self.ffn_norm = RMSNorm(h, cfg.rms_eps)
         self.gate_up = nn.Linear(h, 2 * cfg.ffn_size, bias=False)
         self.down = nn.Linear(cfg.ffn_size, h, bias=False)
-        self.importance = nn.Linear(h, 1, bias=True) if cfg.gate == "darter" else None
+        self.importance = nn.Linear(attn_in or h, 1, bias=True) if cfg.gate == "darter" else None
         if self.importance is not None:
             nn.init.zeros_(self.importance.weight)
             nn.init.constant_(self.importance.bias, 3.0)  # s = 0.95: starts as plain attention
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_in: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [B, T, H] -> q [B, nh, T, hd], k, v [B, nkv, T, hd], log-gate [B, T] or None."""
+        """x [B, T, H] (or the fusion's ``attn_in`` [B, T, W]) -> q [B, nh, T, hd], k, v [B, nkv, T, hd],
+        log-gate [B, T] or None."""
         B, T, _ = x.shape
-        xn = self.attn_norm(x)
+        xn = self.attn_norm(x) if attn_in is None else attn_in
         q, k, v = self.qkv(xn).view(B, T, -1, self.hd).transpose(1, 2).split(
             (self.n_heads, self.n_kv, self.n_kv), dim=1
         )
@@ -155,8 +181,11 @@ class DraftModel(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # EAGLE-3's fc: the concatenated target taps -> g (absent without taps)
+        self.tap_fc = nn.Linear(len(cfg.taps) * cfg.n_embd, cfg.hidden_size, bias=False) if cfg.taps else None
         self.fusion = FUSIONS[cfg.fusion](cfg)
-        self.blocks = nn.ModuleList(DraftBlock(cfg) for _ in range(cfg.n_blocks))
+        wide = cfg.n_embd + cfg.hidden_size if cfg.fusion == "eagle3" else None
+        self.blocks = nn.ModuleList(DraftBlock(cfg, wide if i == 0 else None) for i in range(cfg.n_blocks))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.n_embd, bias=False) if cfg.hidden_size != cfg.n_embd else None
         cos, sin = rope_tables(cfg)
@@ -176,17 +205,26 @@ class DraftModel(nn.Module):
         x = self.norm(x)
         return self.out_proj(x) if self.out_proj is not None else x
 
+    def real_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's rows [.., n_in] (f_t, or the concatenated taps) -> g [.., feature_size]."""
+        return self.tap_fc(features) if self.tap_fc is not None else features
+
+    def drafted_input(self, prenorm: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+        """g at a drafted position, from the step before it: its pre-norm state x (taps, as EAGLE-3)
+        or its predicted feature f (no taps, as EAGLE-1/2)."""
+        return prenorm if self.tap_fc is not None else predicted
+
     def forward(
         self, features: torch.Tensor, next_tokens: torch.Tensor, attn_valid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Training/teacher-forced pass over whole sequences.
 
-        features [B, T, n_embd] (f_t), next_tokens [B, T] (x_{t+1}), attn_valid [B, T] bool
-        (False for padding).  Returns predicted f_{t+1} [B, T, n_embd] and the per-block
-        log-gates [B, T] (empty list without a gate).
+        features [B, T, n_in] (the target's rows: f_t or its taps), next_tokens [B, T] (x_{t+1}),
+        attn_valid [B, T] bool (False for padding).  Returns predicted f_{t+1} [B, T, n_embd] and
+        the per-block log-gates [B, T] (empty list without a gate).
         """
         B, T, _ = features.shape
-        x = self.fusion(features, self.embed[next_tokens])
+        x, attn_in = self.fusion(self.real_input(features), self.embed[next_tokens])
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         causal = torch.full((T, T), float("-inf"), device=x.device).triu(1)
         if attn_valid is not None:
@@ -195,7 +233,8 @@ class DraftModel(nn.Module):
             causal = causal[None, None]
         gates: list[torch.Tensor] = []
         for blk in self.blocks:
-            q, k, v, log_gate = blk.project(x, cos, sin)
+            q, k, v, log_gate = blk.project(x, cos, sin, attn_in)
+            attn_in = None
             bias = causal
             if log_gate is not None:
                 gates.append(log_gate)

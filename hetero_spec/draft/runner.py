@@ -6,16 +6,19 @@ setting ``n`` back, never copying.  Cell i holds the block states computed from
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..config import DenoiseConfig, SamplingConfig
+from ..config import DRAFT_DTYPES, DenoiseConfig, SamplingConfig
 from ..spec.sampling import draw_without_replacement, process_logits
 from ..errors import DraftError
-from .int8 import Int8Linear, int8_available, quantize_linears
+from ..cpu_features import cpu_has_bf16
+from .int8 import (FLOAT_MODULES, HEAD, INT8_MAX_ERROR, INT8_MIN_AGREEMENT, Int8Calibration, Int8Check, Int8Linear,
+                   calibrate_int8, int8_available, quantize_linears)
 from .model import DraftModel
 
 
@@ -37,21 +40,77 @@ def resolve_device(spec: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(spec: str, device: torch.device) -> tuple[torch.dtype, bool]:
-    """(activation dtype, int8 weights).  ``auto``: bf16 on CUDA; int8 weights on a CPU with fbgemm."""
+FLOAT_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(spec: str, device: torch.device) -> tuple[torch.dtype, str | None]:
+    """(activation dtype, int8 request: None, "auto", "int8", "int8-full" or "int8-reduced").
+
+    ``auto``: bf16 on CUDA; on a CPU int8 weights if a mode is accurate there (decided after loading)."""
     if spec == "auto":
         if device.type == "cuda":
-            return torch.bfloat16, False
-        return torch.float32, int8_available()
-    if spec == "int8":
+            return torch.bfloat16, None
+        return torch.float32, "auto" if int8_available() else None
+    if spec.startswith("int8"):
+        if spec not in DRAFT_DTYPES:
+            raise DraftError(f"unknown draft dtype {spec!r} (use {', '.join(DRAFT_DTYPES)})")
         if device.type != "cpu" or not int8_available():
             raise DraftError("int8 draft weights need the CPU and torch's fbgemm engine")
-        return torch.float32, True
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if spec not in table:
-        raise DraftError(f"unknown draft dtype {spec!r} (use auto, int8, float32, bfloat16 or float16)")
-    return table[spec], False
+        return torch.float32, spec
+    if spec not in FLOAT_DTYPES:
+        raise DraftError(f"unknown draft dtype {spec!r} (use {', '.join(DRAFT_DTYPES)})")
+    return FLOAT_DTYPES[spec], None
+
+
+def _int8_mode(request: str, check: Int8Check | None) -> str | None:
+    """The int8 mode to run (None: float weights), from the request and the measured check."""
+    if request == "int8-full":
+        return "int8"
+    if request == "int8-reduced":
+        return "int8-reduced"
+    if check.mode is None and request == "int8":
+        raise DraftError(f"int8 draft weights are not accurate on this CPU: layer error {check.error_full:.3f} / "
+                         f"{check.error_reduced:.3f} (8- / 7-bit activations, bound {INT8_MAX_ERROR}), proposals "
+                         f"equal to float on {check.agreement_full:.0%} / {check.agreement_reduced:.0%} of steps "
+                         f"(need {INT8_MIN_AGREEMENT:.0%}); use --draft-dtype float32")
+    return check.mode
+
+
+def _calibrate(model: DraftModel, rows: tuple[np.ndarray, np.ndarray] | None, denoise: DenoiseConfig,
+               check: bool) -> Int8Calibration:
+    """Smoothing scales from the rows and, with ``check``, both int8 modes' per-layer errors and their
+    proposals against float's, one draft step per row (the decode path: its one-row kernels are the
+    ones that saturate without VNNI)."""
+    rows = rows if rows is not None else _synthetic_rows(model)
+    smooth, err_full, err_reduced = calibrate_int8(model, lambda: _probe_forward(model, rows), model.head)
+    if not check:
+        return Int8Calibration(smooth)
+    feats, tokens = rows
+    runs = {}
+    for mode in ("float32", "int8-full", "int8-reduced"):
+        # forced modes given the scales measure nothing themselves, so this does not recurse
+        runner = DraftRunner(copy.deepcopy(model), device="cpu", dtype=mode, denoise=denoise,
+                             int8_calibration=Int8Calibration(smooth))
+        runs[mode] = np.array([runner.propose(feats[t : t + 1], tokens[t : t + 1], k=1)[0] for t in range(len(tokens))])
+    agree = {m: float((runs[m] == runs["float32"]).mean()) for m in ("int8-full", "int8-reduced")}
+    return Int8Calibration(smooth, Int8Check(err_full, err_reduced, agree["int8-full"], agree["int8-reduced"]))
+
+
+def _synthetic_rows(model: DraftModel, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Stand-in calibration rows: a fixed sequence of frequent tokens with unit-RMS embedding rows as
+    features (less faithful than real rows: they lack the target features' outlier channels)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = model.d2t[torch.randint(len(model.d2t), (n,), generator=gen)]
+    feats = torch.nn.functional.rms_norm(model.embed[tokens].float(), (model.embed.shape[1],))
+    return feats.repeat(1, max(1, len(model.cfg.taps))).numpy(), tokens.numpy()
+
+
+def _probe_forward(model: DraftModel, rows: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+    """A float teacher-forced forward over the calibration rows; returns what the head would read."""
+    feats, tokens = rows
+    return model(torch.as_tensor(np.asarray(feats, dtype=np.float32))[None],
+                 torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None])[0]
 
 
 @dataclass
@@ -90,21 +149,42 @@ class DraftRunner:
         dtype: str = "auto",
         denoise: DenoiseConfig = DenoiseConfig(),
         cpu_threads: int = 1,
+        calibration: tuple[np.ndarray, np.ndarray] | None = None,
+        int8_calibration: Int8Calibration | None = None,
     ) -> None:
+        """``calibration``: real rows (features [n, n_in] float32, next tokens [n]) on which int8 weights are
+        smoothed and both int8 modes checked; without them, unit-RMS embedding rows stand in (less
+        faithful: they lack the target features' outlier channels).  ``int8_calibration``: the result of
+        an earlier such check (``self.int8_calibration``), which skips it."""
         self.device = resolve_device(device)
-        self.dtype, self.int8 = resolve_dtype(dtype, self.device)
+        self.dtype, int8_request = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
             # Draft-sized matmuls gain nothing from a second thread, and a second pool
             # spinning beside llama.cpp's slows the target's decode.
             torch.set_num_threads(cpu_threads)
         if model.embed.numel() == 0:
             raise DraftError("draft has no target weights attached (call attach_target_weights)")
+        self.weights = str(self.dtype).removeprefix("torch.")  # what the draft runs on: a dtype, "int8" or "int8-reduced"
+        self.int8_calibration = None
+        if int8_request is not None:
+            model = model.float().eval()
+            cal = int8_calibration
+            if cal is None or (cal.check is None and int8_request in ("auto", "int8")):
+                cal = _calibrate(model, calibration, denoise, check=int8_request in ("auto", "int8"))
+            self.int8_calibration = cal
+            mode = _int8_mode(int8_request, cal.check)
+            if mode is None:  # auto, and neither int8 mode is accurate here: the fastest float
+                self.dtype = torch.bfloat16 if cpu_has_bf16() else torch.float32
+                self.weights = str(self.dtype).removeprefix("torch.")
+            else:
+                self.weights = mode
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
-        if self.int8:
-            quantize_linears(self.model)
-            self._head = Int8Linear(self.model.head, None)
+        if self.weights.startswith("int8"):
+            reduced, smooth = self.weights == "int8-reduced", self.int8_calibration.smooth
+            quantize_linears(self.model, reduced, smooth, skip=FLOAT_MODULES)
+            self._head = Int8Linear(self.model.head, None, reduced, smooth[HEAD])
         else:
             head_t = self.model.head.t()
             self._head = lambda feat: feat @ head_t
@@ -124,6 +204,10 @@ class DraftRunner:
             log_gate=[torch.zeros(c.max_positions, device=self.device) for _ in range(c.n_blocks)],
             holes=torch.zeros(c.max_positions, device=self.device),
         )
+
+    @property
+    def int8_check(self) -> Int8Check | None:
+        return self.int8_calibration.check if self.int8_calibration is not None else None
 
     @property
     def n(self) -> int:
@@ -154,25 +238,34 @@ class DraftRunner:
     def propose(self, features: np.ndarray, tokens: np.ndarray | list[int], k: int) -> list[int]:
         """Consume real rows, then draft ``k`` tokens greedily.
 
-        features [m, n_embd] float32: f_i for positions n..n+m-1; tokens [m]: x_{i+1}.
-        The first k-1 proposals are fed back as (predicted feature, drafted token); their
-        cells stay in the cache until the caller rolls back to the real prefix.
+        features [m, n_in] float32: the target's rows (f_i, or its taps) for positions n..n+m-1;
+        tokens [m]: x_{i+1}.  The first k-1 proposals are fed back as (the draft's own g, drafted
+        token); their cells stay in the cache until the caller rolls back to the real prefix.
         """
         m = len(tokens)
         if m == 0 or k < 1:
             raise DraftError("propose needs at least one real row and k >= 1")
         if self.cache.n + m + k - 1 > self.cfg.max_positions:
             raise DraftError(f"draft context of {self.cfg.max_positions} positions is full")
-        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
-        t = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
-        feat = self._forward(f[None], t[None])[:, -1:]  # [1, 1, n_embd]
+        x, feat = self._forward(self._real(features), self._tokens(tokens))
+        x, feat = x[:, -1:], feat[:, -1:]  # [1, 1, hidden], [1, 1, n_embd]
         out: list[int] = []
         for j in range(k):
             tok = self.model.d2t[self._head(feat[0]).argmax()]
             out.append(int(tok))
             if j + 1 < k:
-                feat = self._forward(feat, tok.view(1, 1))
+                x, feat = self._forward(self.model.drafted_input(x, feat), tok.view(1, 1))
         return out
+
+    def _real(self, features: np.ndarray) -> torch.Tensor:
+        """The target's rows [m, n_in] -> g [1, m, feature_size] on the draft's device."""
+        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
+        if f.shape[-1] != self.cfg.input_size:
+            raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {f.shape[-1]}")
+        return self.model.real_input(f[None])
+
+    def _tokens(self, tokens: np.ndarray | list[int]) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)[None]
 
     @torch.inference_mode()
     def propose_tree(
@@ -207,9 +300,9 @@ class DraftRunner:
         greedy = sampling is None or sampling.greedy
         if not greedy and rng is None:
             raise DraftError("sampling proposals need a random generator")
-        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
-        t = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
-        feats = self._forward(f[None], t[None])[0, -1:]  # [1, n_embd]: predicted feature after the root
+        x, feat = self._forward(self._real(features), self._tokens(tokens))
+        feats = feat[0, -1:]  # [1, n_embd]: predicted feature after the root
+        gs = self.model.drafted_input(x, feat)[0, -1:]  # [1, feature_size]: what the root's children read
         n_real = self.cache.n
         toks, parents, score, qs = [-1], [-1], [0.0], [None]
         slot_of: dict[int, int] = {}  # node -> cache slot of its forwarded cell
@@ -223,7 +316,7 @@ class DraftRunner:
             budget -= len(new)
             if budget <= 0 or d == depth or not new:
                 break
-            feats = self._forward_nodes(new, toks, parents, slot_of, n_real, d, feats, frontier)
+            feats, gs = self._forward_nodes(new, toks, parents, slot_of, n_real, d, gs, frontier)
             frontier = new
             forwards += 1
         return TreeProposal(np.array(toks, dtype=np.int64), np.array(parents, dtype=np.int64), qs, n_real, forwards)
@@ -265,12 +358,13 @@ class DraftRunner:
                 new.append(len(toks) - 1)
         return new
 
-    def _forward_nodes(self, new, toks, parents, slot_of, n_real, d, feats, frontier) -> torch.Tensor:
-        """One batched forward of this depth's nodes with a tree mask; returns their predicted features."""
+    def _forward_nodes(self, new, toks, parents, slot_of, n_real, d, gs, frontier) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batched forward of this depth's nodes (inputs: their parents' rows of ``gs``) with a tree
+        mask; returns their predicted features [T, n_embd] and what their children read [T, feature_size]."""
         p0, T = self.cache.n, len(new)
         L = p0 + T
         row_of = {u: i for i, u in enumerate(frontier)}
-        f_in = torch.stack([feats[row_of[parents[v]]] for v in new])[None]  # [1, T, n_embd]
+        f_in = torch.stack([gs[row_of[parents[v]]] for v in new])[None]  # [1, T, feature_size]
         tok_in = torch.as_tensor([toks[v] for v in new], device=self.device)[None]
         visible = torch.zeros(T, L, dtype=torch.bool, device=self.device)
         visible[:, :n_real] = True
@@ -282,43 +376,47 @@ class DraftRunner:
                 a = parents[a]
             visible[i, p0 + i] = True
         rope = torch.full((T,), n_real + d - 1, device=self.device, dtype=torch.long)
-        return self._forward_masked(f_in, tok_in, rope, visible)[0]
+        x, feat = self._forward_masked(f_in, tok_in, rope, visible)
+        return feat[0], self.model.drafted_input(x, feat)[0]
 
-    def _forward_masked(self, f: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """f [1, T, n_embd], tokens [1, T] at RoPE positions rope [T], cells appended at n..n+T-1;
-        visible [T, n+T] bool says which cells each row attends to -> features [1, T, n_embd]."""
+    def _forward_masked(self, g: torch.Tensor, tokens: torch.Tensor, rope: torch.Tensor, visible: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """g [1, T, feature_size], tokens [1, T] at RoPE positions rope [T], cells appended at n..n+T-1;
+        visible [T, n+T] bool says which cells each row attends to -> (pre-norm [1, T, hidden],
+        predicted features [1, T, n_embd])."""
         model, cache = self.model, self.cache
         T, p0 = tokens.shape[1], cache.n
         L = p0 + T
-        x = model.fusion(f, model.embed[tokens])
         cos, sin = model.rope_cos[rope], model.rope_sin[rope]
         tree_bias = torch.zeros(T, L, device=self.device).masked_fill_(~visible, float("-inf"))
-        return self._blocks(x, cos, sin, p0, L, tree_bias)
+        return self._blocks(g, tokens, cos, sin, p0, L, tree_bias)
 
     @torch.inference_mode()
     def prefill(self, features: np.ndarray, tokens: np.ndarray | list[int]) -> None:
         """Consume real rows without proposing (used when a prompt is cached ahead of drafting)."""
-        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
-        t = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)
-        self._forward(f[None], t[None])
+        self._forward(self._real(features), self._tokens(tokens))
 
-    def _forward(self, f: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """f [1, T, n_embd], tokens [1, T] at positions n..n+T-1 -> predicted features [1, T, n_embd]."""
+    def _forward(self, g: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g [1, T, feature_size], tokens [1, T] at positions n..n+T-1 -> (pre-norm [1, T, hidden],
+        predicted features [1, T, n_embd])."""
         model, cache = self.model, self.cache
         T, p0 = tokens.shape[1], cache.n
         L = p0 + T
-        x = model.fusion(f, model.embed[tokens])
         cos, sin = model.rope_cos[p0:L], model.rope_sin[p0:L]
-        return self._blocks(x, cos, sin, p0, L, None)
+        return self._blocks(g, tokens, cos, sin, p0, L, None)
 
-    def _blocks(self, x: torch.Tensor, cos, sin, p0: int, L: int, tree_bias: torch.Tensor | None) -> torch.Tensor:
-        """Run the blocks over rows x [1, T, H] writing cache cells p0..L-1; causal attention, or the
-        tree's visibility ``tree_bias`` [T, L] when given -> predicted features [1, T, n_embd]."""
+    def _blocks(self, g: torch.Tensor, tokens: torch.Tensor, cos, sin, p0: int, L: int,
+                tree_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fuse g [1, T, feature_size] with the tokens' embeddings, run the blocks writing cache cells
+        p0..L-1 (causal attention, or the tree's visibility ``tree_bias`` [T, L] when given) ->
+        (pre-norm [1, T, hidden], predicted features [1, T, n_embd])."""
         model, cache = self.model, self.cache
+        x, attn_in = model.fusion(g, model.embed[tokens])
         T = x.shape[1]
         cache.holes[p0:L] = 0.0  # these cells get real states now
         for i, blk in enumerate(model.blocks):
-            q, k, v, log_gate = blk.project(x, cos, sin)
+            q, k, v, log_gate = blk.project(x, cos, sin, attn_in)
+            attn_in = None
             cache.k[i][:, :, p0:L] = k
             cache.v[i][:, :, p0:L] = v
             if log_gate is not None:
@@ -329,7 +427,7 @@ class DraftRunner:
                 bias = (self._bias(cache.log_gate[i][:L], 1, L, log_gate is not None).view(1, L) + tree_bias)[None, None]
             x = blk.finish(x, q, cache.k[i][:, :, :L], cache.v[i][:, :, :L], bias)
         cache.n = L
-        return model.feature_out(x)
+        return x, model.feature_out(x)
 
     def _bias(self, log_gate: torch.Tensor, T: int, L: int, gated: bool) -> torch.Tensor:
         """Additive attention bias [1, 1, T, L]: causal, plus log s_j, plus the denoising mask and holes."""

@@ -68,6 +68,45 @@ def check_gguf_header(path: Path) -> None:
         raise TargetError(f"{path} is not a GGUF file (bad magic {magic!r})")
 
 
+class _LayerInputs:
+    """llama.cpp's per-layer hidden-state output (``llama_set_embeddings_layer_inp`` /
+    ``llama_get_embeddings_layer_inp``, llama-ext.h: what its own EAGLE-3 path reads from the target).
+
+    WHY by mangled name: llama-ext.h declares them without ``extern "C"`` and llama-cpp-python
+    binds none of them, so the symbols carry Itanium C++ mangling (Linux, macOS).  Where they
+    are missing, callers fall back to the eval callback (``layer_taps.py``)."""
+
+    SET = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
+    GET = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
+
+    def __init__(self) -> None:
+        lib = C._lib
+        self.set = getattr(lib, self.SET)
+        self.set.argtypes, self.set.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+        self.get = getattr(lib, self.GET)
+        self.get.argtypes, self.get.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+
+
+_layer_inputs: "_LayerInputs | None | bool" = False
+
+
+def layer_inputs() -> "_LayerInputs | None":
+    """The layer-input API of this libllama, or None where it is not exported."""
+    global _layer_inputs
+    if _layer_inputs is False:
+        try:
+            _layer_inputs = _LayerInputs()
+        except AttributeError:
+            _layer_inputs = None
+    return _layer_inputs
+
+
+# Architectures whose llama.cpp graph records each block's input (``t_layer_inp``); on others asking
+# for it aborts the process, so callers must check first.
+LAYER_INPUT_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "qwen35", "qwen35moe", "qwen3next", "gemma4", "lfm2",
+                               "nemotron_h", "gpt-oss", "minimax-m2"})
+
+
 class ModelHandle:
     """Owns a ``llama_model``; must outlive every context made from it."""
 

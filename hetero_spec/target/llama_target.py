@@ -59,6 +59,30 @@ class TargetOptions:
     # near-ties flip.  Quantized cells never take that path: with q8_0 (the default here, also
     # half the memory) verification is bit-identical to plain decoding at any length.
     kv_type: str = DEFAULT_KV_TYPE
+    # Blocks whose input every decode also returns (EAGLE-3 taps, llama.cpp's layer-input API): the
+    # features a draft with taps reads, concatenated per row, in place of the final-norm state.
+    taps: tuple[int, ...] = ()
+
+
+def enable_taps(model: ModelHandle, ctx_ptr, taps: tuple[int, ...]):
+    """Ask llama.cpp to keep the input of blocks ``taps`` on every decode; returns the API that reads
+    them back, or refuses clearly where this model or this libllama cannot."""
+    if not taps:
+        return None
+    arch = model.meta("general.architecture") or "unknown"
+    api = _ffi.layer_inputs()
+    if api is None:
+        raise TargetError("this libllama does not export llama_set_embeddings_layer_inp; drafts with taps need it")
+    if arch not in _ffi.LAYER_INPUT_ARCHS:
+        raise TargetError(f"llama.cpp does not record block inputs for {arch} models, so drafts with taps "
+                          f"(EAGLE-3 fusion) cannot run on them; use a draft trained without taps")
+    n_layer = C.llama_model_n_layer(model.ptr)
+    bad = [i for i in taps if not 0 <= i < n_layer]
+    if bad:
+        raise TargetError(f"taps {bad} out of range: the model has blocks 0..{n_layer - 1}")
+    for i in taps:
+        api.set(ctx_ptr, i, True)
+    return api
 
 
 def kv_type_id(name: str, model=None) -> int:
@@ -115,6 +139,9 @@ class LlamaTarget:
             self.n_ctx = min(options.n_ctx, C.llama_n_ctx(self._ctx.ptr))
             self.n_threads = n_threads
             self._batch = BatchHandle(options.n_batch, options.n_seq_max)
+            self._taps = enable_taps(self._model, self._ctx.ptr, options.taps)
+            # width of the per-row features handed to a draft
+            self.feature_size = self.n_embd * len(options.taps) if options.taps else self.n_embd
         except BaseException:
             self.close()
             raise
@@ -257,7 +284,7 @@ class LlamaTarget:
                 logits_rows, hidden_rows = self._decode(chunk)
                 if wanted:
                     hidden_parts.append(hidden_rows.copy() if needed
-                                        else np.zeros((len(chunk), self.n_embd), dtype=np.float32))
+                                        else np.zeros((len(chunk), self.feature_size), dtype=np.float32))
                 logits = logits_rows[-1].copy()
         finally:
             self.set_embeddings(wanted)
@@ -334,8 +361,7 @@ class LlamaTarget:
             b.n_seq_id[:n] = 1
         self._tree_seqs, self._tree_rows = n_seqs, n
         logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n, self.n_vocab))
-        hidden = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))
-        return logits, hidden
+        return logits, self._features(n)
 
     @property
     def trash_seq(self) -> int:
@@ -419,10 +445,15 @@ class LlamaTarget:
         self.tokens.extend(int(t) for t in tokens)
         n_out = n if self.embeddings else 1
         logits = np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n_out, self.n_vocab))
-        hidden = None
-        if self.embeddings:
-            hidden = np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))
-        return logits, hidden
+        return logits, self._features(n) if self.embeddings else None
+
+    def _features(self, n: int) -> np.ndarray:
+        """The last decode's per-row features for a draft: the final-norm hidden state ``[n, n_embd]``
+        (a view), or with taps the concatenated block inputs ``[n, len(taps) * n_embd]`` (a copy)."""
+        if self._taps is None:
+            return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))
+        return np.concatenate([np.ctypeslib.as_array(self._taps.get(self._ctx.ptr, i), shape=(n, self.n_embd))
+                               for i in self.options.taps], axis=1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -21,12 +21,13 @@ def attention_probs(
     """Teacher-forced pass over one sequence; per block the attention [n_heads, T, T] (gate applied)
     and the importance gates s [T] (empty without a gate)."""
     T = features.shape[0]
-    x = model.fusion(features[None], model.embed[next_tokens][None])
+    x, attn_in = model.fusion(model.real_input(features[None]), model.embed[next_tokens][None])
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     causal = torch.full((T, T), float("-inf")).triu(1)
     out, gates = [], []
     for blk in model.blocks:
-        q, k, v, g = blk.project(x, cos, sin)
+        q, k, v, g = blk.project(x, cos, sin, attn_in)
+        attn_in = None
         rep = q.shape[1] // k.shape[1]
         ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         scores = q @ ke.transpose(-1, -2) * q.shape[-1] ** -0.5 + causal

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import HeteroSpecError
 from ..features import FeatureSequence, iter_sequences, read_manifest
 
 
@@ -21,18 +22,32 @@ class Split:
     held_out: list[FeatureSequence]
 
 
-def load_split(folders: str | Path | list, *, max_len: int, held_out: float, seed: int) -> Split:
-    """Read every sequence of every folder, cut to ``max_len`` rows, drop those with fewer than 3 rows
-    or no loss tokens.  Each folder is split on its own, so adding a dataset (say plain ShareGPT
-    beside a self-distilled export) leaves the other's held-out sequences where they were."""
+def tap_keys(taps: tuple[int, ...]) -> list[str]:
+    return [f"tap_{i}" for i in taps]
+
+
+def load_split(folders: str | Path | list, *, max_len: int, held_out: float, seed: int,
+               taps: tuple[int, ...] = ()) -> Split:
+    """Map every sequence of every folder (memory maps: a corpus with taps is tens of GB), cut to
+    ``max_len`` rows, drop those with fewer than 3 rows or no loss tokens.  Each folder is split on
+    its own, so adding a dataset (say plain ShareGPT beside a self-distilled export) leaves the
+    other's held-out sequences where they were.  ``taps``: the block inputs the draft reads, which
+    every folder must hold."""
     folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
+    keys = tap_keys(taps)
     for folder in folders:
         read_manifest(folder)  # validates every folder before the (long) read
+        first = next(iter_sequences(folder, mmap=True, keys=set(keys)), None)
+        missing = [k for k in keys if first is not None and k not in first.extras]
+        if missing:
+            raise HeteroSpecError(f"{folder} holds no {', '.join(missing)} (export it with --taps "
+                                  f"{','.join(map(str, taps))}, or train a draft without taps)")
     split = Split([], [])
     for folder in folders:
         seqs = []
-        for s in iter_sequences(folder):
-            s = FeatureSequence(s.input_ids[:max_len], s.hidden[:max_len], s.loss_mask[:max_len])
+        for s in iter_sequences(folder, mmap=True, keys=set(keys)):
+            s = FeatureSequence(s.input_ids[:max_len], s.hidden[:max_len], s.loss_mask[:max_len],
+                                {k: s.extras[k][:max_len] for k in keys})
             if len(s) >= 3 and s.loss_mask[2:].any():
                 seqs.append(s)
         order = np.random.default_rng(seed).permutation(len(seqs))
@@ -55,13 +70,16 @@ def choose_vocab(seqs: list[FeatureSequence], size: int, n_vocab: int) -> tuple[
 
 @dataclass
 class Batch:
-    features: torch.Tensor  # [B, T, n_embd] float32, f_t
+    features: torch.Tensor  # [B, T, n_embd] float32, f_t: the targets (p = head(f_{t+1}), feature loss)
     ids: torch.Tensor  # [B, T] int64, x_t
     loss_mask: torch.Tensor  # [B, T] bool, x_t is a token to learn
     valid: torch.Tensor  # [B, T] bool, False on padding
+    inputs: torch.Tensor  # [B, T, n_in] float32, what the draft reads: f_t, or the concatenated taps
+    holes: torch.Tensor  # [B] int64: positions before this one are holes (no key, no loss); 0 = none
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.features, self.ids, self.loss_mask, self.valid)))
+        return Batch(*(t.to(device, non_blocking=True) for t in
+                       (self.features, self.ids, self.loss_mask, self.valid, self.inputs, self.holes)))
 
     @property
     def next_tokens(self) -> torch.Tensor:
@@ -85,17 +103,28 @@ def make_batches(seqs: list[FeatureSequence], batch_tokens: int, seed: int, epoc
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
-def collate(seqs: list[FeatureSequence]) -> Batch:
+def collate(seqs: list[FeatureSequence], taps: tuple[int, ...] = (), holes: np.ndarray | None = None) -> Batch:
+    """Pad a batch; ``holes`` [B] bool marks sequences whose prompt the draft must not see (as after
+    the runtime's lazy prefill: its first row is the first answer token's)."""
     T = max(len(s) for s in seqs)
     d = seqs[0].hidden.shape[1]
+    keys = tap_keys(taps)
     feats = np.zeros((len(seqs), T, d), dtype=np.float32)
+    inputs = np.zeros((len(seqs), T, d * len(keys)), dtype=np.float32) if keys else None
     ids = np.zeros((len(seqs), T), dtype=np.int64)
     mask = np.zeros((len(seqs), T), dtype=bool)
     valid = np.zeros((len(seqs), T), dtype=bool)
+    hole_before = np.zeros(len(seqs), dtype=np.int64)
     for b, s in enumerate(seqs):
         n = len(s)
         feats[b, :n] = s.hidden
+        for i, k in enumerate(keys):
+            inputs[b, :n, i * d : (i + 1) * d] = s.extras[k]
         ids[b, :n] = s.input_ids
         mask[b, :n] = s.loss_mask.astype(bool)
         valid[b, :n] = True
-    return Batch(torch.from_numpy(feats), torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(valid))
+        if holes is not None and holes[b] and mask[b].any():
+            hole_before[b] = int(mask[b].argmax())  # the first answer token
+    f = torch.from_numpy(feats)
+    return Batch(f, torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(valid),
+                 torch.from_numpy(inputs) if keys else f, torch.from_numpy(hole_before))

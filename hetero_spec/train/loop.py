@@ -25,7 +25,7 @@ from ..draft.model import DraftModel, init_weights
 from ..cpu_features import cpu_has_bf16
 from ..errors import HeteroSpecError
 from ..features import read_manifest
-from .data import Batch, choose_vocab, collate, load_split, make_batches
+from .data import Batch, choose_vocab, collate, load_split, make_batches, tap_keys
 from .losses import LossWeights, gate_regularization, step_loss
 from .unroll import unrolled_forward
 
@@ -45,9 +45,14 @@ class TrainConfig:
     grad_accum: int = 1
     clip: float = 0.5
     unroll_steps: int = 3  # EAGLE-3 style: the draft consumes its own outputs for this many steps
+    taps: tuple[int, ...] = ()  # target block inputs the draft reads (EAGLE-3 fusion); () = final hidden state
+    # Share of training sequences whose prompt is a hole (no keys, no loss before the first answer token),
+    # as the runtime's lazy prefill leaves it when auto does not expect to draft.
+    hole_prob: float = 0.3
     noise: float = 0.05  # input feature noise, as a fraction of the features' RMS (EAGLE)
     max_len: int = 1024
     held_out: float = 0.03
+    max_held_out: int = 256  # sequences; evaluation runs the full target head on every position
     eval_chain: int = 4  # teacher-forced accepted-length estimate for chain k = this
     checkpoint_every: int = 200
     seed: int = 0
@@ -59,9 +64,10 @@ class TrainConfig:
 
 @dataclass
 class EvalResult:
-    top1: float  # step-0 top-1 accuracy on held-out assistant tokens
+    top1: float  # step 0: the draft's argmax equals the target's (full-vocabulary head on f_{t+1})
     accepted_length: float  # teacher-forced mean accepted length at chain k (bonus token included)
     loss: float
+    step_top1: list[float] = field(default_factory=list)  # per unrolled step j, given steps < j accepted
 
 
 def train(
@@ -92,7 +98,8 @@ def train(
         diffs = fingerprint.mismatches(read_manifest(folder).fingerprint)
         if diffs:
             raise HeteroSpecError(f"features in {folder} come from another target: " + "; ".join(diffs))
-    split = load_split(features_dirs, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed)
+    split = load_split(features_dirs, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed, taps=cfg.taps)
+    split.held_out = split.held_out[: cfg.max_held_out]
     if not split.train:
         raise HeteroSpecError(f"{', '.join(map(str, features_dirs))} hold no usable training sequences")
     autocast_bf16 = _use_bf16(cfg.precision, device)
@@ -102,8 +109,6 @@ def train(
     model.d2t = d2t
     model.attach_target_weights(embedding, head)
     model.to(device)
-    d2t_index = torch.full((fingerprint.n_vocab,), -1, dtype=torch.long, device=device)
-    d2t_index[model.d2t] = torch.arange(len(model.d2t), device=device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = max(1, len(make_batches(split.train, cfg.batch_tokens, cfg.seed, 0)) // (cfg.grad_accum * world))
@@ -116,7 +121,7 @@ def train(
     runner = _Unrolled(model, cfg.unroll_steps)
     if world > 1:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
-    feat_rms = _feature_rms(split.train)
+    feat_rms = _feature_rms(split.train, cfg.taps)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
     done = state["step"] >= total
     while not done:
@@ -126,8 +131,10 @@ def train(
             opt.zero_grad(set_to_none=True)
             agg = {"loss": 0.0, "correct": 0, "count": 0}
             for a in range(cfg.grad_accum):
-                batch = collate([split.train[i] for i in batches[bi + a]]).to(device)
-                loss, correct, count, parts = _batch_loss(runner, model, batch, d2t_index, cfg, feat_rms, autocast_bf16)
+                idx = batches[bi + a]
+                batch = collate([split.train[i] for i in idx], cfg.taps, np.random.random(len(idx)) < cfg.hole_prob)
+                batch = batch.to(device)
+                loss, correct, count, parts = _batch_loss(runner, model, batch, cfg, feat_rms, autocast_bf16)
                 (loss / cfg.grad_accum).backward()
                 agg["loss"] += loss.item() / cfg.grad_accum
                 agg["correct"] += correct
@@ -154,7 +161,7 @@ def train(
             state["epoch"] += 1
             state["batch_in_epoch"] = 0
             if rank == 0 and split.held_out:
-                ev = evaluate(model, split.held_out, d2t_index, cfg, device)
+                ev = evaluate(model, split.held_out, cfg, device, head)
                 state["history"].append({"step": state["step"], "eval": asdict(ev)})
                 bar.write(f"epoch {state['epoch']}: held-out top-1 {ev.top1:.3f}, "
                           f"accepted length (k={cfg.eval_chain}) {ev.accepted_length:.2f}")
@@ -162,7 +169,7 @@ def train(
     summary = {}
     if rank == 0:
         _save_checkpoint(ckpt, model, opt, state)
-        ev = evaluate(model, split.held_out, d2t_index, cfg, device) if split.held_out else None
+        ev = evaluate(model, split.held_out, cfg, device, head) if split.held_out else None
         summary = {
             "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
             "train_seconds": round(state["train_s"], 1), "train_sequences": len(split.train),
@@ -178,26 +185,27 @@ def train(
     return summary
 
 
-def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainConfig, feat_rms: float,
+def _batch_loss(runner, model: DraftModel, batch: Batch, cfg: TrainConfig, feat_rms: float,
                 bf16: bool = False):
     """runner: the (possibly DDP-wrapped) unrolled forward; feat_rms > 0 adds input noise; ``bf16``
     autocasts the forward and the head matmuls of the losses (autocast keeps softmaxes in fp32)."""
-    feats = batch.features
+    inputs = batch.inputs
     if feat_rms > 0 and cfg.noise > 0:
-        feats = feats + torch.randn_like(feats) * (cfg.noise * feat_rms)
-    with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=bf16):
-        steps = runner(feats, batch.next_tokens, batch.valid)
-    total = torch.zeros((), device=feats.device)
+        inputs = inputs + torch.randn_like(inputs) * (cfg.noise * feat_rms)
+    with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
+        steps = runner(inputs, batch.next_tokens, batch.valid, batch.holes)
+    total = torch.zeros((), device=inputs.device)
     correct = count = 0
     parts: dict[str, float] = {}
     T = batch.ids.shape[1]
+    pos = torch.arange(T, device=inputs.device)
+    seen = pos[None, :] >= batch.holes[:, None]  # queries that exist at inference
     for j, st in enumerate(steps):
         # step j at chain s predicts f_{s+j+1} and (through the head) x_{s+j+2}
         tgt_feat = _shift(batch.features, j + 1)
-        tgt_next = _shift(batch.ids, j + 2)
-        mask = _shift(batch.loss_mask & batch.valid, j + 2) & (torch.arange(T, device=feats.device) < T - j - 2)
-        with torch.autocast(feats.device.type, dtype=torch.bfloat16, enabled=bf16):
-            sl = step_loss(st.features, tgt_feat, tgt_next, mask, model.head, d2t_index, cfg.loss)
+        mask = _shift(batch.loss_mask & batch.valid, j + 2) & (pos < T - j - 2) & seen
+        with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
+            sl = step_loss(st.features, tgt_feat, mask, model.head, cfg.loss)
         weight = cfg.loss.step_decay**j
         total = total + weight * sl.total
         if j == 0:
@@ -208,34 +216,43 @@ def _batch_loss(runner, model: DraftModel, batch: Batch, d2t_index, cfg: TrainCo
 
 
 @torch.no_grad()
-def evaluate(model: DraftModel, seqs, d2t_index, cfg: TrainConfig, device) -> EvalResult:
-    """Held-out step-0 top-1 and a teacher-forced estimate of the mean accepted length for chain k:
-    for every chain start s, the number of leading unrolled steps whose argmax is the target's token."""
+def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch.Tensor) -> EvalResult:
+    """Held-out, teacher-forced, scored as verification scores: against the target's own argmax, its
+    full-vocabulary head applied to f_{t+1} (not the data's next token, which on text the target did
+    not write is someone else's).  top-1 at step 0, top-1 per unrolled step given the steps before
+    it were accepted, and the mean accepted length of chain k = eval_chain for every chain start
+    (leading steps whose argmax is the target's, plus the bonus token)."""
     model.eval()
     k = cfg.eval_chain
-    correct = count = 0
+    head = full_head.to(device)
+    hits = torch.zeros(k, device=device)
+    tries = torch.zeros(k, device=device)
     accepted: list[torch.Tensor] = []
     losses = []
     for idx in make_batches(seqs, cfg.batch_tokens, cfg.seed, 0):
-        batch = collate([seqs[i] for i in idx]).to(device)
+        batch = collate([seqs[i] for i in idx], cfg.taps).to(device)
         T = batch.ids.shape[1]
-        steps = unrolled_forward(model, batch.features, batch.next_tokens, batch.valid, k)
-        loss, c, n, _ = _batch_loss(_Unrolled(model, 1), model, batch, d2t_index, cfg, 0.0)
+        pos = torch.arange(T, device=device)
+        steps = unrolled_forward(model, batch.inputs, batch.next_tokens, batch.valid, k)
+        loss, _, _, _ = _batch_loss(_Unrolled(model, 1), model, batch, cfg, 0.0)
         losses.append(loss.item())
-        correct, count = correct + c, count + n
-        run = torch.ones(batch.ids.shape, dtype=torch.bool, device=device)
+        target_next = (batch.features @ head.t()).argmax(-1)  # [B, T]: the target's x_{t+1} after f_t
+        start = _shift(batch.loss_mask & batch.valid, 2) & (pos < T - 2)
+        run = start.clone()
         length = torch.zeros(batch.ids.shape, device=device)
-        start = _shift(batch.loss_mask & batch.valid, 2) & (torch.arange(T, device=device) < T - 2)
         for j, st in enumerate(steps):
-            rows = st.features @ model.head.t()
-            pred = model.d2t[rows.argmax(-1)]
-            ok = (pred == _shift(batch.ids, j + 2)) & _shift(batch.valid, j + 2) & (torch.arange(T, device=device) < T - j - 2)
-            run = run & ok
+            pred = model.d2t[(st.features @ model.head.t()).argmax(-1)]
+            live = run & _shift(batch.valid, j + 2) & (pos < T - j - 2)
+            ok = live & (pred == _shift(target_next, j + 1))
+            hits[j] += ok.sum()
+            tries[j] += live.sum()
+            run = ok
             length = length + run.float()
         accepted.append(length[start])
     model.train()
     acc_len = 1.0 + torch.cat(accepted).mean().item() if accepted else 1.0
-    return EvalResult(top1=correct / max(1, count), accepted_length=acc_len, loss=float(np.mean(losses)))
+    step_top1 = (hits / tries.clamp_min(1)).tolist()
+    return EvalResult(top1=step_top1[0], accepted_length=acc_len, loss=float(np.mean(losses)), step_top1=step_top1)
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -256,7 +273,7 @@ def _use_bf16(precision: str, device: torch.device) -> bool:
 
 def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) -> DraftConfig:
     try:
-        return draft_config_for(fp, cfg.variant, n_blocks=cfg.n_blocks,
+        return draft_config_for(fp, cfg.variant, n_blocks=cfg.n_blocks, taps=cfg.taps or None,
                                 reduced_vocab=len(d2t) if len(d2t) < fp.n_vocab else 0)
     except ConfigError as exc:
         raise HeteroSpecError(str(exc)) from None
@@ -282,8 +299,10 @@ def _warmup_cosine(warmup: int, total: int, time_budget_s: float):
     return f
 
 
-def _feature_rms(seqs) -> float:
-    sample = np.concatenate([s.hidden[:64].astype(np.float32) for s in seqs[:256]])
+def _feature_rms(seqs, taps: tuple[int, ...] = ()) -> float:
+    """RMS of what the draft reads (the final hidden state, or the taps) over a sample."""
+    rows = [s.extras[k][:64] for s in seqs[:256] for k in tap_keys(taps)] if taps else [s.hidden[:64] for s in seqs[:256]]
+    sample = np.concatenate(rows).astype(np.float32)
     return float(np.sqrt((sample**2).mean()))
 
 
@@ -315,8 +334,8 @@ class _Unrolled(torch.nn.Module):
         super().__init__()
         self.model, self.steps = model, steps
 
-    def forward(self, feats, next_tokens, valid):
-        return unrolled_forward(self.model, feats, next_tokens, valid, self.steps)
+    def forward(self, feats, next_tokens, valid, holes=None):
+        return unrolled_forward(self.model, feats, next_tokens, valid, self.steps, holes)
 
 
 def _save_checkpoint(path: Path, model, opt, state) -> None:

@@ -57,21 +57,22 @@ def gate_regularization(log_gates: list[torch.Tensor], valid: torch.Tensor, keep
 class StepLoss:
     total: torch.Tensor  # scalar, already weighted
     parts: dict[str, float]
-    correct: int  # argmax q == the target's next token
+    correct: int  # argmax q == argmax p: the draft picks the target's choice among the head rows
     count: int
 
 
 def step_loss(
     pred: torch.Tensor,
     target_feat: torch.Tensor,
-    target_next: torch.Tensor,
     mask: torch.Tensor,
     head: torch.Tensor,
-    d2t_index: torch.Tensor,
     w: LossWeights,
 ) -> StepLoss:
-    """pred/target_feat [B, T, d]; target_next [B, T] target ids of x_{t+2}; mask [B, T] bool;
-    head [V', d] (draft head rows); d2t_index [V] target id -> head row or -1."""
+    """pred/target_feat [B, T, d]; mask [B, T] bool; head [V', d] (the draft's head rows).
+
+    Accuracy is scored against the target's own argmax (p from f_{t+1}), never the data's next
+    token: on text the target did not write that is someone else's choice, and verification
+    checks the target's."""
     sel = mask.nonzero(as_tuple=True)
     if sel[0].numel() == 0:
         z = pred.sum() * 0.0
@@ -96,6 +97,5 @@ def step_loss(
         # weighting by p's confidence spends capacity there instead of on near-coin-flips.
         conf = log_p.exp().amax(-1)
         per_token = per_token * (conf / conf.mean().clamp_min(1e-6))
-    rows = d2t_index[target_next[sel]]
-    correct = int(((q_logits.argmax(-1) == rows) & (rows >= 0)).sum())
-    return StepLoss(per_token.mean(), parts, correct, int(rows.numel()))
+    correct = int((q_logits.argmax(-1) == p_logits.argmax(-1)).sum())
+    return StepLoss(per_token.mean(), parts, correct, int(sel[0].numel()))

@@ -26,26 +26,33 @@ class StepOutput:
 
 
 def unrolled_forward(
-    model: DraftModel, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor, steps: int
+    model: DraftModel, features: torch.Tensor, next_tokens: torch.Tensor, valid: torch.Tensor, steps: int,
+    holes: torch.Tensor | None = None,
 ) -> list[StepOutput]:
-    """features [B, T, n_embd] real f_t; next_tokens [B, T] x_{t+1}; valid [B, T] bool (False = padding)."""
+    """features [B, T, n_in] the target's rows (f_t or its taps); next_tokens [B, T] x_{t+1}; valid [B, T]
+    bool (False = padding); holes [B]: positions before holes[b] are no keys (0 = none)."""
     B, T, _ = features.shape
     dev = features.device
     pos = torch.arange(T, device=dev)
     causal = torch.where(pos[None, :] <= pos[:, None], 0.0, float("-inf"))  # [T(query s), T(key p)]
     key_pad = torch.where(valid, 0.0, float("-inf"))[:, None, None, :]  # [B, 1, 1, T]
     base_bias = causal[None, None] + key_pad
+    if holes is not None and bool((holes > 0).any()):
+        # keys before holes[b] do not exist at inference (lazy prefill); a query there sees only itself
+        hidden = (pos[None, :] < holes[:, None])[:, None, :] & (pos[:, None] != pos[None, :])[None]  # [B, T, T]
+        base_bias = base_bias.masked_fill(hidden[:, None], float("-inf"))
     outputs: list[StepOutput] = []
     chain_keys: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in model.blocks]
     real_keys: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    feat_in, tok_in = features, next_tokens
+    g_in, tok_in = model.real_input(features), next_tokens
     for j in range(steps):
-        x = model.fusion(feat_in, model.embed[tok_in])
+        x, attn_in = model.fusion(g_in, model.embed[tok_in])
         idx = (pos + j).clamp_max(model.cfg.max_positions - 1)
         cos, sin = model.rope_cos[idx], model.rope_sin[idx]
         gates = []
         for b, blk in enumerate(model.blocks):
-            q, k, v, g = blk.project(x, cos, sin)
+            q, k, v, g = blk.project(x, cos, sin, attn_in)
+            attn_in = None
             g = g if g is not None else torch.zeros(B, T, device=dev)
             gates.append(g)
             if j == 0:
@@ -58,8 +65,8 @@ def unrolled_forward(
             x = blk.after_attention(x, a)
         pred = model.feature_out(x)
         outputs.append(StepOutput(pred, gates if model.cfg.gate == "darter" else []))
-        # next step: chain s continues at position s+j+1 with its own prediction of f_{s+j+1}
-        feat_in = pred
+        # next step: chain s continues at position s+j+1 with its own g (pre-norm state or predicted f)
+        g_in = model.drafted_input(x, pred)
         tok_in = _shift_left(next_tokens, j + 1)
     return outputs
 

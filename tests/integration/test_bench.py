@@ -115,16 +115,24 @@ def test_dataset_loading(custom_jsonl, tmp_path):
 
 def test_cli_bench_writes_report(model_path, random_draft_path, tmp_path):
     proc = subprocess.run([*CLI, "bench", model_path, random_draft_path, "--datasets", "alpaca", "--n-prompts", "1",
-                           "--max-new-tokens", "8", "--methods", "raw,chain", "--ctx", "512", "--out", tmp_path],
+                           "--max-new-tokens", "8", "--methods", "raw,chain", "--ctx", "512", "--out", tmp_path,
+                           "--project", "laptop-7b-q4_0"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "| chain | alpaca |" in proc.stdout and "bench:" in proc.stderr  # table, progress bar
+    assert "PROJECTIONS, not measurements" in proc.stdout and "| laptop-7b-q4_0 | chain | alpaca |" in proc.stdout
     assert (tmp_path / "bench.json").is_file() and (tmp_path / "speedup.png").is_file()
+    data = json.loads((tmp_path / "bench.json").read_text())
+    chain = next(p for p in data["prompts"] if p["method"] == "chain")
+    assert chain["rounds"] and len(chain["rounds"][0]) == len(data["meta"]["round_fields"])
+    assert sum(r[2] for r in chain["rounds"]) == chain["new_tokens"] - 1  # rounds emit all but the prefill's token
+    assert data["projections"] and all("PROJECTION" in r["label"] for r in data["projections"])
 
 
 @pytest.mark.parametrize("args, fragment", [
     (["--methods", "raw,warp-drive"], "unknown method"),
     (["--datasets", "nope"], "unknown dataset"),
+    (["--project", "nope"], "no cost curve"),
 ])
 def test_cli_bench_user_errors_are_one_line(model_path, random_draft_path, args, fragment):
     proc = subprocess.run([*CLI, "bench", model_path, random_draft_path, *args], capture_output=True, text=True,
@@ -136,3 +144,52 @@ def test_cli_bench_user_errors_are_one_line(model_path, random_draft_path, args,
 def test_cli_bench_chain_needs_a_draft(model_path):
     proc = subprocess.run([*CLI, "bench", model_path, "--methods", "chain"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "needs a DRAFT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------ llama.cpp's own speculation
+def test_llama_methods_that_cannot_run_are_reported_with_their_reason(model_path, tmp_path, monkeypatch):
+    from hetero_spec.bench.llama_server import BIN_ENV
+
+    monkeypatch.setenv(BIN_ENV, str(tmp_path))  # no build here
+    cfg = BenchConfig(target=BenchTarget(model_path, None, threads=1, n_ctx=512),
+                      datasets=("gsm8k",), methods=("raw", "llama.cpp-ngram", "llama.cpp-eagle3"), n_prompts=1,
+                      max_new_tokens=4, warmup=False)
+    res = run_bench(cfg)
+    assert {r.method for r in res.records} == {"raw"}
+    assert "build_llama_cpp.sh" in res.meta["not_run"]["llama.cpp-ngram"]
+    assert res.meta["not_run"]["llama.cpp-eagle3"] == "no --eagle3-gguf given"
+    md = markdown(res)
+    assert "Not run:" in md and "- `llama.cpp-eagle3`: no --eagle3-gguf given" in md
+
+
+def _llama_server_built() -> bool:
+    from hetero_spec.bench.llama_server import SERVER, tools_dir
+
+    return (tools_dir() / SERVER).is_file()
+
+
+@pytest.mark.skipif(not _llama_server_built(), reason="llama-server not built: run bash scripts/build_llama_cpp.sh "
+                                                       "(several minutes; the suite never builds it)")
+def test_llama_cpp_methods_are_lossless_against_raw(model_path):
+    """llama-server plain (method llama-server), n-gram and draft-model speculation (the target as its own draft: a sanity
+    check that drafts flow and are accepted), token ids compared with raw; a GGUF that is not an
+    EAGLE-3 draft makes llama.cpp-eagle3 unavailable with the server's own reason."""
+    cfg = BenchConfig(target=BenchTarget(model_path, None, threads=1, n_ctx=1024, k=3, llama_draft_model=model_path,
+                                         eagle3_gguf=model_path),
+                      datasets=("humaneval",), methods=("llama-server", "llama.cpp-ngram", "llama.cpp-draft",
+                                                        "llama.cpp-eagle3"),
+                      n_prompts=2, max_new_tokens=32, warmup=False)
+    res = run_bench(cfg)
+    assert "not eagle3" in res.meta["not_run"]["llama.cpp-eagle3"]  # the server's own reason, not a silent fallback
+    texts = {}
+    for r in res.records:
+        texts.setdefault(r.index, {})[r.method] = r.text
+        assert r.compared_by == "tokens" and r.equal, f"{r.method} differs from raw: {texts[r.index]}"
+        if r.method.startswith(("llama.cpp", "llama-server")):
+            assert r.engine["predicted_n"] == r.new_tokens and 0 < r.prefill_s < r.wall_s
+    drafted = [r.engine for r in res.records if r.method == "llama.cpp-draft"]
+    assert sum(e["drafted"] for e in drafted) > 0
+    assert sum(e["accepted"] for e in drafted) >= 0.8 * sum(e["drafted"] for e in drafted)
+    rows = {(s["method"], s["dataset"]): s for s in summarize(res)}
+    assert rows[("llama.cpp-draft", "all")]["mean_accepted_length"] > 1.5
+    assert rows[("llama-server", "all")]["mean_accepted_length"] is None  # no drafting, no accepted length

@@ -2,6 +2,7 @@
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from hetero_spec.draft.runner import DraftRunner
@@ -43,8 +44,7 @@ def test_gradients_reach_the_importance_gate_through_the_distillation_loss():
     ids = torch.from_numpy(rng.integers(0, V, (2, 10)))
     valid = torch.ones(2, 10, dtype=torch.bool)
     steps = unrolled_forward(m, feats, ids, valid, 2)
-    d2t_index = torch.arange(V)
-    loss = sum(step_loss(s.features, feats, ids, valid, m.head, d2t_index, LossWeights()).total for s in steps)
+    loss = sum(step_loss(s.features, feats, valid, m.head, LossWeights()).total for s in steps)
     loss.backward()
     for blk in m.blocks:
         assert blk.importance.weight.grad is not None and blk.importance.weight.grad.abs().sum() > 0
@@ -53,12 +53,11 @@ def test_gradients_reach_the_importance_gate_through_the_distillation_loss():
 def test_eagle_recipe_has_no_kl_term_and_darter_has():
     m = make_model()
     f = torch.randn(1, 6, D)
-    ids = torch.randint(0, V, (1, 6))
     mask = torch.ones(1, 6, dtype=torch.bool)
-    e = step_loss(f + 0.1, f, ids, mask, m.head, torch.arange(V), LossWeights(recipe="eagle"))
-    d = step_loss(f + 0.1, f, ids, mask, m.head, torch.arange(V), LossWeights(recipe="darter"))
+    e = step_loss(f + 0.1, f, mask, m.head, LossWeights(recipe="eagle"))
+    d = step_loss(f + 0.1, f, mask, m.head, LossWeights(recipe="darter"))
     assert "kl" not in e.parts and d.parts["kl"] > 0
-    perfect = step_loss(f, f, ids, mask, m.head, torch.arange(V), replace(LossWeights(), token_weighting=False))
+    perfect = step_loss(f, f, mask, m.head, replace(LossWeights(), token_weighting=False))
     assert perfect.total.item() < 1e-5  # predicting the target's feature exactly costs nothing
 
 
@@ -76,21 +75,36 @@ def test_unrolled_step0_equals_teacher_forced_forward():
     torch.testing.assert_close(step0[1, :6], full[1, :6], rtol=1e-4, atol=1e-4)
 
 
-def test_unrolled_steps_match_what_the_runner_does_at_inference():
-    """Chain s, step j: real cells 0..s, then cells computed from the draft's own predictions."""
-    m = make_model(replace(CFG, n_blocks=2))
+VARIANTS = {
+    "darter-final": replace(CFG, n_blocks=2),
+    "darter-taps": replace(CFG, n_blocks=2, taps=(1, 3)),
+    "eagle3-taps": replace(CFG, n_blocks=1, fusion="eagle3", gate="none", taps=(0, 2, 5)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_unrolled_steps_match_what_the_runner_does_at_inference(variant):
+    """Chain s, step j: real cells 0..s, then cells computed from the draft's own g (its predicted feature,
+    or with taps its pre-norm state, as EAGLE-3)."""
+    cfg = VARIANTS[variant]
+    m = make_model(cfg)
     rng = np.random.default_rng(2)
     T, s, steps = 10, 5, 3
-    feats = rng.standard_normal((T, D)).astype(np.float32)
+    feats = rng.standard_normal((T, cfg.input_size)).astype(np.float32)
     ids = rng.integers(0, V, T)  # ids[t] = x_{t+1}, the draft's token input at t
     with torch.no_grad():
         un = unrolled_forward(m, torch.from_numpy(feats)[None], torch.from_numpy(ids)[None],
                               torch.ones(1, T, dtype=torch.bool), steps)
     r = DraftRunner(m, device="cpu", dtype="float32")
     with torch.inference_mode():
-        out = r._forward(torch.from_numpy(feats[: s + 1])[None], torch.from_numpy(ids[: s + 1])[None])
-        pred = out[:, -1:]
+        x, pred = r._forward(r._real(feats[: s + 1]), torch.from_numpy(ids[: s + 1])[None])
+        x, pred = x[:, -1:], pred[:, -1:]
         torch.testing.assert_close(pred[0, 0], un[0].features[0, s], rtol=1e-4, atol=1e-4)
         for j in range(1, steps):
-            pred = r._forward(pred, torch.from_numpy(ids[s + j : s + j + 1])[None])
+            x, pred = r._forward(m.drafted_input(x, pred), torch.from_numpy(ids[s + j : s + j + 1])[None])
             torch.testing.assert_close(pred[0, 0], un[j].features[0, s], rtol=1e-4, atol=1e-4)
+    # and the runner's own chain proposes what the unrolled argmaxes say
+    r.reset()
+    chain = r.propose(feats[: s + 1], ids[: s + 1], k=steps)
+    expect = [int(m.d2t[m.logits(un[j].features[0, s]).argmax()]) for j in range(steps)]
+    assert chain[0] == expect[0]

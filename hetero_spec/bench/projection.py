@@ -1,0 +1,126 @@
+"""Projected speedups: a run's recorded rounds priced by another machine's cost curve.
+
+Greedy speculation is lossless, so the token sequence, and with it which drafts the target
+accepts, is the target's alone and does not depend on the machine.  What a round costs does:
+verifying n rows costs t(n)/t(1) single-row decodes (steep on 2 small cores, nearly flat on a
+memory-bound 7B laptop).  Replaying each prompt's ``Round`` records against a curve gives
+
+    projected decode speedup = sum(emitted tokens) / sum(t(rows)/t(1) + draft steps x step/t(1))
+
+against plain decoding, which pays t(1) per token.  A round verifies drafted + 1 rows; a
+draft-model chain costs one draft step per drafted token, a shadow probe (no rows drafted,
+draft time spent) one step, a prompt-lookup round none.  Tree rounds are priced at one step
+per drafted node, an upper bound (a tree drafts a whole level per forward).  Prefill and the
+orchestrator's own per-round overhead are left out: these are projections of decode speed,
+labelled as such wherever they are printed.
+
+>>> curve = CostCurve({1: 10.0, 2: 10.0}, draft_step_ms=0.0)
+>>> replay([[1, 1, 2, 0, 0, 0, "draft"], [1, 0, 1, 0, 0, 0, "draft"]], curve).speedup   # 3 tokens, 2 rounds
+1.5
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..calibration import CostCurve
+from ..errors import HeteroSpecError
+from .results import ROUND_FIELDS, BenchResult, PromptRecord
+
+# Curves shipped in hetero_spec/bench/data/curves/ (see data/README.md).
+CURVES = {
+    "this-machine": "this-machine.json",  # hetero-spec calibrate on the development VM
+    "laptop-7b-q4_0": "laptop-7b-q4_0.json",  # roofline.LAPTOP_7B_Q4_0
+}
+_I = {name: i for i, name in enumerate(ROUND_FIELDS)}
+
+
+def load_curve(spec: str) -> tuple[str, CostCurve]:
+    """A shipped curve by name, or a CostCurve JSON file (``hetero-spec calibrate --out``); (label, curve)."""
+    if spec in CURVES and not Path(spec).exists():
+        res = resources.files(__package__).joinpath("data", "curves", CURVES[spec])
+        if not res.is_file():
+            raise HeteroSpecError(f"shipped cost curve {CURVES[spec]} is missing from the hetero_spec package; reinstall")
+        return spec, CostCurve.from_json(res.read_text())
+    path = Path(spec)
+    if not path.is_file():
+        raise HeteroSpecError(f"no cost curve {spec!r}: use {', '.join(CURVES)} or a calibration JSON file")
+    return path.stem, CostCurve.from_json(path.read_text())
+
+
+@dataclass(frozen=True)
+class Replay:
+    tokens: int  # tokens the rounds emitted
+    rounds: int
+    cost: float  # in single-row decodes, t(1) = 1
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens / self.cost if self.cost > 0 else 0.0
+
+
+def round_cost(row: Sequence[Any], curve: CostCurve) -> float:
+    """One recorded round (a ``ROUND_FIELDS`` row) in single-row decodes on ``curve``."""
+    drafted, draft_s, source = row[_I["drafted"]], row[_I["draft_s"]], row[_I["source"]]
+    if drafted < 0:
+        raise HeteroSpecError(f"a round cannot draft {drafted} tokens")
+    if source == "lookup":
+        steps = 0
+    elif drafted > 0:
+        steps = drafted
+    else:
+        steps = 1 if draft_s > 0 else 0  # a shadow probe: the draft ran, no row was added
+    return curve.verify_ratio(drafted + 1) + steps * curve.draft_step_ms / curve.verify_ms[1]
+
+
+def replay(rounds: Sequence[Sequence[Any]], curve: CostCurve) -> Replay:
+    """The rounds of one generation priced on ``curve``."""
+    return Replay(sum(int(r[_I["emitted"]]) for r in rounds), len(rounds), sum(round_cost(r, curve) for r in rounds))
+
+
+def decode_tps(rec: PromptRecord) -> float | None:
+    """Measured decode speed: tokens after the first over the time after the first (None if unknown)."""
+    if rec.prefill_s is None or rec.new_tokens < 2 or rec.wall_s <= rec.prefill_s:
+        return None
+    return (rec.new_tokens - 1) / (rec.wall_s - rec.prefill_s)
+
+
+def project_result(result: BenchResult, curves: dict[str, CostCurve], baseline: str = "raw") -> list[dict[str, Any]]:
+    """Per curve, method (those with recorded rounds) and dataset (plus ``all``): the median over
+    prompts of the projected speedup, beside the median measured decode speedup over ``baseline``."""
+    base = {(r.dataset, r.index): r for r in result.records if r.method == baseline}
+    methods = list(dict.fromkeys(r.method for r in result.records if r.rounds and r.method != baseline))
+    datasets = list(dict.fromkeys(r.dataset for r in result.records))
+    rows = []
+    for label, curve in curves.items():
+        for m in methods:
+            for d in datasets + ["all"]:
+                recs = [r for r in result.records if r.method == m and r.rounds and d in ("all", r.dataset)]
+                if recs:
+                    rows.append(_row(label, curve, m, d, recs, base))
+    return rows
+
+
+def _row(label: str, curve: CostCurve, method: str, dataset: str, recs: list[PromptRecord],
+         base: dict[tuple[str, int], PromptRecord]) -> dict[str, Any]:
+    replays = [replay(r.rounds, curve) for r in recs]
+    measured = []
+    for r in recs:
+        b = base.get((r.dataset, r.index))
+        mine, theirs = decode_tps(r), decode_tps(b) if b else None
+        if mine and theirs:
+            measured.append(mine / theirs)
+    return {
+        "curve": label, "method": method, "dataset": dataset, "prompts": len(recs),
+        "projected_speedup": statistics.median(p.speedup for p in replays),
+        "measured_decode_speedup": statistics.median(measured) if measured else None,
+        "tokens_per_round": sum(p.tokens for p in replays) / max(1, sum(p.rounds for p in replays)),
+        "curve_t1_ms": curve.verify_ms[1], "curve_machine": curve.machine, "curve_model": curve.model,
+        "label": "PROJECTION (decode only, rounds replayed on the curve), not a measurement",
+    }
+
+
+__all__ = ["CURVES", "load_curve", "replay", "round_cost", "project_result", "Replay", "decode_tps"]

@@ -1,0 +1,69 @@
+"""``hetero-spec serve``: load the model once, then run the app under uvicorn until Ctrl-C / SIGTERM."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+import uvicorn
+
+from .app import create_app
+from .config import EngineConfig, ServerConfig
+
+log = logging.getLogger("hetero_spec.server")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+class ListeningServer(uvicorn.Server):
+    """uvicorn's server, plus the bound port (``--port 0`` picks a free one) and an event once it
+    accepts connections: what a test or an embedding program waits on instead of sleeping."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()
+        self.port: int | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        servers = getattr(self, "servers", [])
+        if self.started and servers:
+            self.port = servers[0].sockets[0].getsockname()[1]
+            host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
+            log.info("listening on http://%s:%d", host, self.port)
+            self.ready.set()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """The request log (one line per request) on stderr, beside uvicorn's own start/stop lines."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+
+def uvicorn_config(app, server: ServerConfig) -> uvicorn.Config:
+    # access_log off: the app writes its own line per request, with tokens and the real outcome
+    return uvicorn.Config(app, host=server.host, port=server.port, log_level="info", access_log=False,
+                          timeout_graceful_shutdown=5, lifespan="on")
+
+
+def serve(engine: EngineConfig, server: ServerConfig) -> None:
+    """Load ``engine``'s model and draft, then serve until interrupted."""
+    from ..api import HeteroSpec
+
+    configure_logging()
+    if not server.loopback_only:
+        log.warning("binding to %s: other machines can reach this server%s", server.host,
+                    "" if server.api_key else " and no --api-key is set")
+    with HeteroSpec(engine.model, engine.draft, n_ctx=engine.n_ctx, threads=engine.threads,
+                    draft_device=engine.draft_device, draft_dtype=engine.draft_dtype, denoise=engine.denoise,
+                    kv_type=engine.kv_type) as hs:
+        if engine.draft is not None and engine.draft_len == "auto":
+            hs.cost_curve()  # measure (or load) now, not inside the first request
+        app = create_app(hs, server, engine.generate_options())
+        try:
+            ListeningServer(uvicorn_config(app, server)).run()
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is the normal stop
+            log.info("stopped")

@@ -1,0 +1,162 @@
+"""The one thread that owns the model: takes jobs in FIFO order and runs each through HeteroSpec.
+
+Generation runs here, off the event loop, so the loop keeps accepting, queueing and
+rejecting requests while a sequence decodes.  Every token goes through ``HeteroSpec.chat``
+or ``HeteroSpec.generate``; the conversation cache inside HeteroSpec is what lets a
+conversation's next turn reuse its prefix.  The job's ``cancelled`` flag is handed to the
+API, which checks it after every round.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from ..config import ConfigError, SamplingConfig
+from ..errors import ContextFull, HeteroSpecError
+from .errors import APIError, internal_error
+from .events import Delta, Failed, Finished, Started
+from .metrics import Metrics
+from .queue import Job, RequestQueue
+
+log = logging.getLogger("hetero_spec.server")
+
+FINISH_REASONS = {"eog": "stop", "stop_string": "stop", "max_tokens": "length", "context_full": "length"}
+# A stream gets its first text at once, then at most one chunk per this many seconds.  Each chunk
+# wakes the event loop, which then holds the GIL while the worker prepares its next round:
+# one chunk per round made streamed decoding 12% slower than non-streamed (2 cores, 1 llama.cpp
+# thread, SmolLM2 at ~100 tok/s); 50 ms is below what a reader notices.
+STREAM_FLUSH_S = 0.05
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a handler asks of the model: a conversation (chat) or a prompt (text or token ids)."""
+
+    kind: Literal["chat", "text"]
+    prompt: Union[list[dict[str, str]], str, list[int]]
+    max_tokens: int | None  # None: up to the end of the context
+    stop: tuple[str, ...]
+    sampling: SamplingConfig
+    stream: bool
+
+
+
+
+class Worker:
+    """Decodes queued jobs one at a time on a daemon thread; ``stop`` ends it after the current round."""
+
+    def __init__(self, hs, queue: RequestQueue, metrics: Metrics, options: dict) -> None:
+        self.hs = hs
+        self.queue = queue
+        self.metrics = metrics
+        self.options = options  # drafting options from the server config (EngineConfig.generate_options)
+        self._service_s = 1.0  # running mean of a request's time on the model, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="hetero-spec-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for job in self.queue.close():
+            job.post(Failed(APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")))
+        self._thread.join(timeout)
+
+    def retry_after(self) -> int:
+        """Seconds until what waits now has likely been served (whole seconds, as Retry-After wants),
+        so rejected clients come back when there is room instead of all at once."""
+        return min(60, max(1, math.ceil(self._service_s * (self.queue.depth + 1))))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while (job := self.queue.take()) is not None:
+            t0 = time.perf_counter()
+            try:
+                end = self._serve(job)
+            except Exception:  # a bug outside the generation must not end the only decoding thread
+                log.exception("request %s: worker error", job.request_id)
+                end = Failed(internal_error())
+            # the slot is free before anyone hears the request ended (a client may then ask /metrics)
+            self.queue.done(job)
+            self._service_s = 0.8 * self._service_s + 0.2 * (time.perf_counter() - t0)
+            job.post(end)
+
+    def _serve(self, job: Job) -> Finished | Failed:
+        """The job's terminal event; expected failures become their 4xx, anything else a generic 500."""
+        self.metrics.queue_wait.observe(job.queue_s)
+        if job.cancelled.is_set():  # the client left while it waited
+            return Failed(APIError(499, "The client closed the request.", code="client_closed"))
+        try:
+            return self._generate(job)
+        except APIError as err:
+            return Failed(err)
+        except ContextFull as err:
+            return Failed(APIError(400, str(err), param="messages", code="context_length_exceeded"))
+        except (HeteroSpecError, ConfigError) as err:
+            return Failed(APIError(400, str(err)))
+        except Exception:
+            log.exception("request %s: generation failed", job.request_id)
+            self._recover()
+            return Failed(internal_error())
+
+    def _generate(self, job: Job) -> Finished:
+        work: Work = job.spec
+        stream = self._open(work, job.cancelled.is_set)
+        job.post(Started(stream.stats.prompt_tokens))
+        pieces: list[str] = []
+        unsent = 0  # pieces[-unsent:] are not streamed yet
+        ttft = None
+        last_post = 0.0
+        for piece in stream:
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - job.submitted_at
+            pieces.append(piece)
+            unsent += 1
+            if work.stream and now - last_post >= STREAM_FLUSH_S:
+                job.post(Delta("".join(pieces[-unsent:])))
+                unsent, last_post = 0, now
+        if work.stream and unsent:
+            job.post(Delta("".join(pieces[-unsent:])))
+        stats = stream.stats
+        ttft = ttft if ttft is not None else time.perf_counter() - job.submitted_at
+        self.metrics.ttft.observe(ttft)
+        self.metrics.observe_generation(stats)
+        return Finished("".join(pieces), stats.prompt_tokens, len(stream.tokens),
+                        FINISH_REASONS.get(stats.stop_reason), stats, job.queue_s, ttft)
+
+    def _open(self, work: Work, cancel):
+        """The API's stream for this work, after the checks that need the tokenized prompt."""
+        n_ctx = self.hs.target.n_ctx
+        options = dict(self.options, max_new_tokens=work.max_tokens or n_ctx, stop=work.stop,
+                       sampling=work.sampling, cancel=cancel, stream=True)
+        if work.kind == "chat":
+            stream = self.hs.chat(work.prompt, **options)
+        else:
+            if isinstance(work.prompt, list):
+                bad = [t for t in work.prompt if not 0 <= t < self.hs.target.n_vocab]
+                if bad:
+                    raise APIError(400, f"token id {bad[0]} is outside the vocabulary of "
+                                        f"{self.hs.target.n_vocab}", param="prompt", code="invalid_value")
+            stream = self.hs.generate(work.prompt, **options)
+        n_prompt = stream.stats.prompt_tokens
+        if work.max_tokens is not None and n_prompt + work.max_tokens > n_ctx:
+            stream.close()
+            raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                                f"{n_prompt + work.max_tokens} tokens ({n_prompt} in the prompt, {work.max_tokens} "
+                                f"for the completion). Please reduce the prompt or the completion length.",
+                           param="max_tokens", code="context_length_exceeded")
+        return stream
+
+    def _recover(self) -> None:
+        """After an unexpected failure the caches may not describe any text: start the next request cold."""
+        try:
+            self.hs.reset()
+        except Exception:
+            log.exception("resetting the model after a failure failed too")
