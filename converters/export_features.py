@@ -59,12 +59,15 @@ class ExportConfig:
     # 32-row features bit for bit (tested); over F16 cells flash attention tiles large batches
     # differently, about 3% RMS off.
     prefill_batch: int = 512
+    template: str = "gguf"  # "gguf" (the model's own) or "plain" (datasets.TEMPLATES)
 
     def content_options(self) -> dict:
         """What decides the dataset's content; a resumed run must match it exactly."""
         return dict(regenerate=self.regenerate, temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                     dtype=self.dtype, max_len=self.max_len, topk=self.topk, layers=list(self.layers),
-                    chunk=self.chunk, seed=self.seed if self.temperature > 0 else None)
+                    chunk=self.chunk, seed=self.seed if self.temperature > 0 else None,
+                    # only when not the default, so folders exported before the option still resume
+                    **({"template": self.template} if self.template != "gguf" else {}))
 
 
 @dataclass
@@ -94,16 +97,13 @@ def export_features(cfg: ExportConfig, hf_model: Path | None = None) -> Manifest
     with LlamaTarget(cfg.model, TargetOptions(n_ctx=cfg.max_len, n_batch=min(cfg.prefill_batch, cfg.max_len),
                                               n_threads=cfg.threads, embeddings=True)) as target:
         extractor = f"transformers:{hf_model.resolve()}" if hf_model is not None else "llama.cpp"
-        manifest = _open_manifest(cfg, target, src, extractor)
+        renderer = ChatRenderer.for_target(target, cfg.template)  # refuses a model without a template early
+        manifest = _open_manifest(cfg, target, src, extractor, renderer.template)
         prog = _Progress(next_index=manifest.options["progress"]["next_index"], done=manifest.options["progress"]["done"])
         if prog.done:
             print(f"{cfg.out}: already complete ({manifest.n_sequences} sequences); nothing to do")
             return manifest
         _check_disk(cfg, target, items[prog.next_index:])
-        renderer = ChatRenderer(target.chat_template or "", target.bos_token, target.eos_token,
-                                lambda s: target.tokenize(s, add_special=False, parse_special=True), target.is_eog)
-        if not renderer.template:
-            raise ExportError(f"{cfg.model.name} has no chat template; conversations cannot be rendered")
         gen = taps = bar = None
         try:
             gen = _open_generator(cfg, hf_model) if cfg.regenerate else None
@@ -143,7 +143,7 @@ def export_features(cfg: ExportConfig, hf_model: Path | None = None) -> Manifest
 
 
 # ---------------------------------------------------------------- manifest and resume
-def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str) -> Manifest:
+def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str, template: str) -> Manifest:
     selection = dict(limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=f"{cfg.shard[0]}/{cfg.shard[1]}")
     # problems of the file itself are counted once here; per-conversation skips go to manifest.skipped
     source = dict(path=str(src.path), sha256=src.sha256, format=src.format, selection=selection,
@@ -164,7 +164,7 @@ def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str)
                               "use a new folder or the same options")
         return old
     options["progress"] = dict(next_index=0, done=False)
-    m = Manifest(fingerprint=target.fingerprint, dtype=cfg.dtype, template=target.chat_template, source=source,
+    m = Manifest(fingerprint=target.fingerprint, dtype=cfg.dtype, template=template, source=source,
                  options=options, skipped={})
     write_manifest(cfg.out, m)
     return m

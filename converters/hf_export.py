@@ -14,7 +14,6 @@ from typing import Callable
 import numpy as np
 
 from hetero_spec.errors import HeteroSpecError
-from hetero_spec.features import Manifest
 
 
 class HFExtractor:
@@ -69,9 +68,3 @@ class HFExtractor:
             h.remove()
         self._hooks = []
 
-
-def export_features_hf(cfg, folder: Path) -> Manifest:
-    """``export_features`` with hidden states from the HF checkpoint in ``folder``."""
-    from .export_features import export_features
-
-    return export_features(cfg, hf_model=Path(folder))

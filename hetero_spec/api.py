@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from .chat_template import render_chat
 from .config import DEFAULT_KV_TYPE, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec
@@ -21,11 +21,15 @@ from .records import RunStats
 from .spec.orchestrator import generate_tokens
 from .spec.policy import AutoPolicy, FixedPolicy, Shape
 
+from .target.llama_target import LlamaTarget, TargetOptions
+from .text_stream import TextAssembler
+
+if TYPE_CHECKING:
+    from .calibration import CostCurve
+
 QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 AUTO_LOOKUP_DEPTH = 4  # longest prompt-lookup chain auto considers
-from .target.llama_target import LlamaTarget, TargetOptions
-from .text_stream import TextAssembler
 
 
 @dataclass
@@ -241,6 +245,27 @@ CALIBRATION_TEXT = (
     "out.\ndef fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did she sell altogether? In May she sold 48 / 2 = 24 clips, so 48 + 24 = 72 in all.")
+
+
+def calibrate(
+    model: str | Path,
+    draft: str | Path | None = None,
+    *,
+    threads: int = 0,
+    quick: bool = False,
+    repeats: int | None = None,
+    out: str | Path | None = None,
+    draft_device: str = "cpu",
+    progress: Callable[[int], None] | None = None,
+) -> tuple["CostCurve", Path]:
+    """Load the target (and draft), measure, save the JSON where ``load_or_measure`` looks (or ``out``)."""
+    from .calibration import MAX_ROWS, PREFIX_TOKENS, describe_files, cache_path, measure, save
+
+    with HeteroSpec(model, draft, n_ctx=PREFIX_TOKENS + 2 * MAX_ROWS, threads=threads, draft_device=draft_device) as hs:
+        curve = measure(hs.target, hs.draft, quick=quick, repeats=repeats, progress=progress,
+                        model=describe_files(model, draft))
+        path = Path(out) if out is not None else cache_path(model, draft, hs.target.n_threads)
+    return curve, save(curve, path)
 
 
 def draft_taps(path: str | Path | None) -> tuple[int, ...]:

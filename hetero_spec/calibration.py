@@ -144,7 +144,7 @@ def machine_id(threads: int) -> str:
     return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {threads} threads"
 
 
-def _describe(target_path: str | Path, draft_path: str | Path | None) -> str:
+def describe_files(target_path: str | Path, draft_path: str | Path | None) -> str:
     p = Path(target_path)
     s = f"{p.name} ({p.stat().st_size} bytes)" if p.exists() else p.name
     return s + (f" + {Path(draft_path).name}" if draft_path is not None else "")
@@ -297,30 +297,9 @@ def load_or_measure(
                 return curve
         except HeteroSpecError:
             pass  # unreadable or old: measure again
-    curve = measure(target, runner, quick=quick, model=_describe(target_path, draft_path))
+    curve = measure(target, runner, quick=quick, model=describe_files(target_path, draft_path))
     save(curve, path)
     return curve
-
-
-def calibrate(
-    model: str | Path,
-    draft: str | Path | None = None,
-    *,
-    threads: int = 0,
-    quick: bool = False,
-    repeats: int | None = None,
-    out: str | Path | None = None,
-    draft_device: str = "cpu",
-    progress: Callable[[int], None] | None = None,
-) -> tuple[CostCurve, Path]:
-    """Load the target (and draft), measure, save the JSON where ``load_or_measure`` looks (or ``out``)."""
-    from .api import HeteroSpec
-
-    with HeteroSpec(model, draft, n_ctx=PREFIX_TOKENS + 2 * MAX_ROWS, threads=threads, draft_device=draft_device) as hs:
-        curve = measure(hs.target, hs.draft, quick=quick, repeats=repeats, progress=progress,
-                        model=_describe(model, draft))
-        path = Path(out) if out is not None else cache_path(model, draft, hs.target.n_threads)
-    return curve, save(curve, path)
 
 
 def timings_count(quick: bool, repeats: int | None, with_draft: bool) -> int:
@@ -338,4 +317,4 @@ def save(curve: CostCurve, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CostCurve", "measure", "cache_path", "load_or_measure", "save", "machine_id", "calibrate"]
+__all__ = ["CostCurve", "measure", "cache_path", "load_or_measure", "save", "machine_id", "timings_count"]

@@ -186,6 +186,8 @@ EXTRA_COMMANDS: list[str] = [
     "converters.cli:export_features",
     "converters.cli:merge_features",
     "converters.cli:generate_corpus",
+    "converters.cli:export_draft",
+    "converters.cli:import_draft",
     "hetero_spec.train_cli:train",
     "hetero_spec.train_cli:analyze_attention",
     "hetero_spec.bench.cli:bench",

@@ -56,11 +56,19 @@ class DraftConfig:
     reduced_vocab: int = 0  # 0 = full head; else number of target ids kept (mapping in the file)
     max_positions: int = 8192
     fingerprint: TargetFingerprint | None = None
+    # Shapes of imported public heads (converters/draft_import.py); the defaults are hetero-spec's own
+    # drafts, and ``to_json`` leaves default values out so existing draft files read as before.
+    final_norm: bool = True  # False: the last block's output goes to the head unnormed (EAGLE-1/2)
+    first_attn_norm: bool = True  # False: block 0's q/k/v read the fused x unnormed (EAGLE-1/2's layer 0)
+    own_head: bool = False  # True: the file stores its own head rows (``own_head``), not the target's
+    own_embed: bool = False  # True: the file stores its own token embedding (``own_embed``)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "taps", tuple(int(i) for i in self.taps))
         if self.fusion not in ("dgf", "fc", "eagle3"):
             raise ConfigError(f"fusion must be 'dgf', 'fc' or 'eagle3', not {self.fusion!r}")
+        if self.fusion == "eagle3" and not self.first_attn_norm:
+            raise ConfigError("first_attn_norm applies to dgf/fc fusion: eagle3's first block reads its own norms")
         if self.fusion == "eagle3" and self.feature_size != self.hidden_size:
             raise ConfigError("eagle3 fusion keeps g as the residual stream: it needs taps or hidden_size == n_embd")
         if len(set(self.taps)) != len(self.taps) or any(i < 0 for i in self.taps):
@@ -90,7 +98,11 @@ class DraftConfig:
         return len(self.taps) * self.n_embd if self.taps else self.n_embd
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        data = asdict(self)
+        for name, default in _IMPORT_FLAG_DEFAULTS.items():
+            if data[name] == default:
+                del data[name]
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "DraftConfig":
@@ -101,6 +113,12 @@ class DraftConfig:
             raise ConfigError(f"draft config has unknown keys {sorted(unknown)}")
         fp = data.pop("fingerprint", None)
         return cls(**data, fingerprint=TargetFingerprint(**fp) if fp else None)
+
+
+# DraftConfig fields written only when they differ from these (drafts made before them stay readable by
+# older hetero-spec versions, whose from_json refuses unknown keys).
+_IMPORT_FLAG_DEFAULTS: dict[str, bool] = {"final_norm": True, "first_attn_norm": True, "own_head": False,
+                                          "own_embed": False}
 
 
 # Named draft shapes; the CLI's --preset and the trainer pick from here.

@@ -56,11 +56,16 @@ def _target_parts(model: Path):
 @click.option("--threads", default=0, show_default=True, help="CPU threads (0 = all)")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="auto: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX)")
+@click.option("--eval-every", default=0, show_default=True, type=click.IntRange(0),
+              help="steps between held-out evaluations (0: after each epoch)")
+@click.option("--checkpoint-every", default=200, show_default=True, type=click.IntRange(1))
 @click.option("--resume", is_flag=True, help="continue from OUT's checkpoint folder")
+@click.option("--init-from-target", is_flag=True,
+              help="start the draft's last block from the target's last block (dequantized from the GGUF)")
 @click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
 def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab, epochs, max_steps, time_budget, lr,
-          batch_tokens, grad_accum, unroll, noise, max_len, seed, device, threads, precision, resume,
-          loss_weights) -> None:
+          batch_tokens, grad_accum, unroll, noise, max_len, seed, device, threads, precision, eval_every,
+          checkpoint_every, resume, init_from_target, loss_weights) -> None:
     """Distil a draft for MODEL from exported FEATURES folders (see export-features); several folders
     (say self-distilled and plain data) train together."""
     from .train.loop import TrainConfig
@@ -82,9 +87,19 @@ def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab,
                       epochs=epochs,
                       max_steps=max_steps, time_budget_s=time_budget * 60, lr=lr, batch_tokens=batch_tokens,
                       grad_accum=grad_accum, unroll_steps=unroll, noise=noise, max_len=max_len, seed=seed,
-                      device=device, threads=threads, precision=precision, loss=weights)
+                      device=device, threads=threads, precision=precision, loss=weights,
+                      init_from_target=init_from_target, eval_every=eval_every, checkpoint_every=checkpoint_every)
     fp, emb, head = _target_parts(model)
-    summary = run_training(cfg, list(features), out, embedding=emb, head=head, fingerprint=fp, resume=resume)
+    init_block = None
+    if init_from_target:
+        from .target.gguf_weights import load_block
+        from .target.llama_target import LlamaTarget, TargetOptions
+
+        with LlamaTarget(model, TargetOptions(n_ctx=64, embeddings=False)) as t:
+            last = t.n_layer - 1
+        init_block = load_block(model, last)
+    summary = run_training(cfg, list(features), out, embedding=emb, head=head, fingerprint=fp, resume=resume,
+                           init_block=init_block)
     click.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
 
 

@@ -47,10 +47,13 @@ def _split(value: str) -> tuple[str, ...]:
 @click.option("--project", "curves", multiple=True, metavar="CURVE",
               help="also project each speculative method's recorded rounds onto a cost curve: a shipped "
                    "name (this-machine, laptop-7b-q4_0) or a calibration JSON; repeatable")
+@click.option("--template", type=click.Choice(["gguf", "plain"]), default="gguf", show_default=True,
+              help="gguf: prompts in the model's chat template; plain: 'User: ...\\n\\nAssistant:' raw text, for base "
+                   "models without a template")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
 def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
           lookup_tokens, tree_tokens, tree_depth, tree_top_k, kv_type, llama_draft_model, eagle3_gguf, llama_args,
-          curves, out) -> None:
+          curves, template, out) -> None:
     """Time raw llama.cpp, llama-cpp-python, llama.cpp's own speculation and hetero-spec side by side."""
     from tqdm import tqdm
 
@@ -67,6 +70,7 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
                            llama_draft_model=llama_draft_model, eagle3_gguf=eagle3_gguf,
                            llama_args=tuple(llama_args.split())),
         datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+        template=template,
     )
     if not cfg.datasets or not cfg.methods:
         raise HeteroSpecError("--datasets and --methods need at least one entry each")
@@ -104,7 +108,8 @@ def calibrate(model, draft, threads, quick, repeats, draft_device, out, plot) ->
     """Measure the target's verification cost t(n)/t(1), n = 1..32, and the draft's step cost."""
     from tqdm import tqdm
 
-    from ..calibration import calibrate as run, timings_count
+    from ..api import calibrate as run
+    from ..calibration import timings_count
     from .report import plot_curve
 
     with tqdm(desc="calibrate", unit="decode", total=timings_count(quick, repeats, draft is not None)) as bar:

@@ -124,8 +124,13 @@ class BenchConfig:
     n_prompts: int = 8
     max_new_tokens: int = 128
     warmup: bool = True
+    # "gguf": prompts rendered with the model's chat template; "plain": as raw text in the plain
+    # template's turns (hetero_spec.chat_template.plain_prompt), for base models without a template
+    template: str = "gguf"
 
     def __post_init__(self) -> None:
+        if self.template not in ("gguf", "plain"):
+            raise HeteroSpecError(f"unknown template {self.template!r} (use gguf or plain)")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise HeteroSpecError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
@@ -150,7 +155,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None,
         methods = [m for m in methods if m in runners]
         meta = _meta(cfg, ctx, methods, threads=cfg.target.threads or default_threads())
         meta["not_run"] = not_run
-        prompts = [(d.name, i, _prompt_ids(ctx, text)) for d in datasets for i, text in enumerate(d.prompts)]
+        prompts = [(d.name, i, _prompt_ids(ctx, text, cfg.template)) for d in datasets for i, text in enumerate(d.prompts)]
         if planned:
             planned(len(prompts) * len(methods))
         longest = max(len(ids) for _, _, ids in prompts)
@@ -187,9 +192,15 @@ def _build_runners(ctx: BenchContext, methods: list[str]) -> tuple[dict[str, Run
     return runners, not_run
 
 
-def _prompt_ids(ctx: BenchContext, text: str) -> list[int]:
-    hs = ctx.hs
-    return hs.target.tokenize(hs.render([{"role": "user", "content": text}]), add_special=False, parse_special=True)
+def _prompt_ids(ctx: BenchContext, text: str, template: str = "gguf") -> list[int]:
+    from ..chat_template import plain_prompt
+
+    hs, turn = ctx.hs, [{"role": "user", "content": text}]
+    if template == "plain":  # exactly what ``run --raw -p "$(plain prompt)"`` decodes: BOS added as for raw text
+        return hs.target.tokenize(plain_prompt(turn), add_special=True, parse_special=True)
+    if not hs.target.chat_template:
+        raise HeteroSpecError(f"{hs.target.path.name} has no chat template (a base model?); pass --template plain")
+    return hs.target.tokenize(hs.render(turn), add_special=False, parse_special=True)
 
 
 def _records(results: dict[str, RunResult], dataset: str, index: int, n_prompt: int) -> list[PromptRecord]:
@@ -229,6 +240,7 @@ def _meta(cfg: BenchConfig, ctx: BenchContext, methods: list[str], threads: int)
         "max_new_tokens": cfg.max_new_tokens,
         "n_prompts": cfg.n_prompts,
         "datasets": list(cfg.datasets),
+        "template": cfg.template,
         "methods": {m: METHODS[m].description for m in methods},
         "speculative": [m for m in methods if METHODS[m].speculative],
         "llama_cpp": _llama_meta(t, methods),

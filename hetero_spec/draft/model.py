@@ -40,7 +40,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # the weight in x's dtype: under bf16 autocast a float32 weight sends rms_norm to its slow unfused path
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 class DynamicGatingFusion(nn.Module):
@@ -109,12 +110,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DraftBlock(nn.Module):
     """Llama decoder block (RMSNorm, GQA with RoPE, SwiGLU) with an optional importance gate."""
 
-    def __init__(self, cfg: DraftConfig, attn_in: int | None = None) -> None:
-        """``attn_in``: width of an input the fusion hands this block's q/k/v instead of RMSNorm(x)."""
+    def __init__(self, cfg: DraftConfig, attn_in: int | None = None, attn_norm: bool = True) -> None:
+        """``attn_in``: width of an input the fusion hands this block's q/k/v instead of RMSNorm(x).
+        ``attn_norm`` False: q/k/v read x itself (EAGLE-1/2's first decoder layer has no input norm)."""
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, hd
-        self.attn_norm = RMSNorm(h, cfg.rms_eps) if attn_in is None else None
+        self.attn_norm = RMSNorm(h, cfg.rms_eps) if attn_in is None and attn_norm else None
         self.qkv = nn.Linear(attn_in or h, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=False)
         self.o = nn.Linear(cfg.n_heads * hd, h, bias=False)
         self.ffn_norm = RMSNorm(h, cfg.rms_eps)
@@ -131,7 +133,10 @@ class DraftBlock(nn.Module):
         """x [B, T, H] (or the fusion's ``attn_in`` [B, T, W]) -> q [B, nh, T, hd], k, v [B, nkv, T, hd],
         log-gate [B, T] or None."""
         B, T, _ = x.shape
-        xn = self.attn_norm(x) if attn_in is None else attn_in
+        if attn_in is not None:
+            xn = attn_in
+        else:
+            xn = self.attn_norm(x) if self.attn_norm is not None else x
         q, k, v = self.qkv(xn).view(B, T, -1, self.hd).transpose(1, 2).split(
             (self.n_heads, self.n_kv, self.n_kv), dim=1
         )
@@ -176,6 +181,9 @@ class DraftModel(nn.Module):
     The token embedding and the head come from the target GGUF (``attach_target_weights``)
     and are buffers that ``state_dict`` never saves.  With a reduced vocabulary, ``d2t``
     maps head rows back to target ids and is saved, since it is the draft's own choice.
+    An imported head that was trained with its own head rows or embedding (``cfg.own_head`` /
+    ``cfg.own_embed``: EAGLE-3 heads carry an ``lm_head``) stores them as the persistent buffers
+    ``own_head`` / ``own_embed``, which then stand in for the target's.
     """
 
     def __init__(self, cfg: DraftConfig) -> None:
@@ -185,8 +193,10 @@ class DraftModel(nn.Module):
         self.tap_fc = nn.Linear(len(cfg.taps) * cfg.n_embd, cfg.hidden_size, bias=False) if cfg.taps else None
         self.fusion = FUSIONS[cfg.fusion](cfg)
         wide = cfg.n_embd + cfg.hidden_size if cfg.fusion == "eagle3" else None
-        self.blocks = nn.ModuleList(DraftBlock(cfg, wide if i == 0 else None) for i in range(cfg.n_blocks))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.blocks = nn.ModuleList(
+            DraftBlock(cfg, wide if i == 0 else None, attn_norm=i > 0 or cfg.first_attn_norm) for i in range(cfg.n_blocks)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps) if cfg.final_norm else None
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.n_embd, bias=False) if cfg.hidden_size != cfg.n_embd else None
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -195,14 +205,23 @@ class DraftModel(nn.Module):
         self.register_buffer("d2t", torch.arange(n_head, dtype=torch.int64), persistent=bool(cfg.reduced_vocab))
         self.register_buffer("embed", torch.zeros(0, cfg.n_embd), persistent=False)
         self.register_buffer("head", torch.zeros(0, cfg.n_embd), persistent=False)
+        if cfg.own_head:  # [n_head, n_embd], row i for target id d2t[i]
+            self.register_buffer("own_head", torch.zeros(n_head, cfg.n_embd))
+        if cfg.own_embed:  # [n_vocab, n_embd]
+            self.register_buffer("own_embed", torch.zeros(cfg.n_vocab, cfg.n_embd))
 
     def attach_target_weights(self, embedding: torch.Tensor, head: torch.Tensor) -> None:
-        """embedding, head: [n_vocab, n_embd] from the GGUF; the head is cut to ``d2t`` rows."""
-        self.embed = embedding
-        self.head = head[self.d2t].contiguous() if self.cfg.reduced_vocab else head
+        """embedding, head: [n_vocab, n_embd] from the GGUF; the head is cut to ``d2t`` rows.  A draft's
+        own head rows or embedding (``cfg.own_head`` / ``cfg.own_embed``) take the place of the target's."""
+        self.embed = self.own_embed if self.cfg.own_embed else embedding
+        if self.cfg.own_head:
+            self.head = self.own_head
+        else:
+            self.head = head[self.d2t].contiguous() if self.cfg.reduced_vocab else head
 
     def feature_out(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
+        if self.norm is not None:
+            x = self.norm(x)
         return self.out_proj(x) if self.out_proj is not None else x
 
     def real_input(self, features: torch.Tensor) -> torch.Tensor:

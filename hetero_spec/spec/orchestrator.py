@@ -58,6 +58,7 @@ class Draft(Protocol):
                      p_min: float): ...  # -> TreeProposal (tokens, parents, q, n_real)
     def rollback(self, n_keep: int) -> None: ...
     def skip(self, n: int) -> None: ...
+    def prefill(self, features: np.ndarray, tokens: Sequence[int]) -> None: ...
 
 
 @dataclass
@@ -163,6 +164,12 @@ def generate_tokens(
     if real > keep:
         draft.skip(real - keep)
     pending = _Pending([hidden[real - keep :].copy()], list(prompt[real + 1 :]) + [x] if real < len(prompt) else [])
+    if len(pending.next_tokens) > CATCHUP_ROWS:
+        # The prefill computed these prompt rows for the draft on purpose (a lazy one skips them): the
+        # draft consumes them now, in one batched forward, so that the first round's catch-up cap,
+        # meant for rows piled up by plain rounds, never turns the prompt into holes.
+        draft.prefill(pending.features[:-1], pending.next_tokens[:-1])
+        pending = _Pending([pending.features[-1:]], pending.next_tokens[-1:])
     general = policy is not None or not sampling.greedy or p_min > 0
     if general and policy is None:
         policy = FixedPolicy(Shape(draft_len))

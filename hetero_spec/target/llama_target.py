@@ -123,6 +123,7 @@ class LlamaTarget:
             if self.n_vocab <= 0 or self.n_embd <= 0:
                 raise TargetError(f"{self.path.name} has no vocabulary or embedding (not a language model)")
             self.n_ctx_train = C.llama_model_n_ctx_train(self._model.ptr)
+            self.n_layer = C.llama_model_n_layer(self._model.ptr)
             n_threads = options.n_threads or default_threads()
             self._ctx = ContextHandle(
                 self._model,

@@ -6,6 +6,7 @@ the seed, so resuming or evaluating later sees the same split.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ def tap_keys(taps: tuple[int, ...]) -> list[str]:
 def load_split(folders: str | Path | list, *, max_len: int, held_out: float, seed: int,
                taps: tuple[int, ...] = ()) -> Split:
     """Map every sequence of every folder (memory maps: a corpus with taps is tens of GB), cut to
-    ``max_len`` rows, drop those with fewer than 3 rows or no loss tokens.  Each folder is split on
-    its own, so adding a dataset (say plain ShareGPT beside a self-distilled export) leaves the
-    other's held-out sequences where they were.  ``taps``: the block inputs the draft reads, which
+    ``max_len`` rows, drop those with fewer than 3 rows or no loss tokens.  A sequence is held out
+    when the seeded hash of its token ids falls below ``held_out``: the split depends on nothing but
+    the sequence itself, so a corpus that grows between resumed runs, or a second folder beside it,
+    never moves a held-out sequence into training.  ``taps``: the block inputs the draft reads, which
     every folder must hold."""
     folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
     keys = tap_keys(taps)
@@ -50,11 +52,20 @@ def load_split(folders: str | Path | list, *, max_len: int, held_out: float, see
                                 {k: s.extras[k][:max_len] for k in keys})
             if len(s) >= 3 and s.loss_mask[2:].any():
                 seqs.append(s)
-        order = np.random.default_rng(seed).permutation(len(seqs))
-        n_eval = max(1, int(round(len(seqs) * held_out))) if len(seqs) > 1 and held_out > 0 else 0
-        split.train.extend(seqs[i] for i in order[n_eval:])
-        split.held_out.extend(seqs[i] for i in order[:n_eval])
+        u = np.array([_unit_hash(s.input_ids, seed) for s in seqs])
+        out = u < held_out
+        if len(seqs) > 1 and held_out > 0 and not out.any():  # a tiny folder still gets one
+            out[int(u.argmin())] = True
+        split.train.extend(s for s, o in zip(seqs, out) if not o)
+        split.held_out.extend(s for s, o in zip(seqs, out) if o)
     return split
+
+
+def _unit_hash(ids: np.ndarray, seed: int) -> float:
+    """A number in [0, 1) fixed by the token ids and the seed."""
+    h = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=8,
+                        salt=seed.to_bytes(8, "little", signed=True))
+    return int.from_bytes(h.digest(), "little") / 2**64
 
 
 def choose_vocab(seqs: list[FeatureSequence], size: int, n_vocab: int) -> tuple[torch.Tensor, float]:

@@ -49,12 +49,14 @@ class TrainConfig:
     # Share of training sequences whose prompt is a hole (no keys, no loss before the first answer token),
     # as the runtime's lazy prefill leaves it when auto does not expect to draft.
     hole_prob: float = 0.3
+    init_from_target: bool = False  # the last draft block starts as the target's last block (see init_block)
     noise: float = 0.05  # input feature noise, as a fraction of the features' RMS (EAGLE)
     max_len: int = 1024
     held_out: float = 0.03
     max_held_out: int = 256  # sequences; evaluation runs the full target head on every position
     eval_chain: int = 4  # teacher-forced accepted-length estimate for chain k = this
     checkpoint_every: int = 200
+    eval_every: int = 0  # steps between held-out evaluations (0: after each epoch only)
     seed: int = 0
     device: str = "auto"
     threads: int = 0  # CPU threads for torch (0 = all cores)
@@ -80,10 +82,13 @@ def train(
     fingerprint: TargetFingerprint,
     resume: bool = False,
     progress: bool = True,
+    init_block: dict | None = None,
 ) -> dict:
     """Distil a draft from one or more feature folders into ``out`` (safetensors); returns a summary dict.
 
     embedding / head: [n_vocab, n_embd] float32 from the target GGUF (frozen, never saved).
+    init_block: a target block's weights in HF layout (``gguf_weights.load_block``), copied into the
+    draft's last block before training when ``cfg.init_from_target``.
     """
     out = Path(out)
     work = out.with_suffix(".train")
@@ -104,8 +109,15 @@ def train(
         raise HeteroSpecError(f"{', '.join(map(str, features_dirs))} hold no usable training sequences")
     autocast_bf16 = _use_bf16(cfg.precision, device)
     d2t, coverage = choose_vocab(split.train, cfg.reduced_vocab or fingerprint.n_vocab, fingerprint.n_vocab)
+    ckpt = work / "checkpoint.pt"
+    if resume and ckpt.exists():  # the head rows chosen when training began, even if the data grew since
+        d2t = torch.load(ckpt, map_location="cpu", weights_only=False)["model"].get("d2t", d2t)
     dcfg = _draft_config(cfg, fingerprint, d2t)
     model = init_weights(DraftModel(dcfg), cfg.seed)
+    if cfg.init_from_target:
+        if init_block is None:
+            raise HeteroSpecError("init_from_target needs the target block's weights (init_block)")
+        copy_block(model.blocks[-1], init_block)
     model.d2t = d2t
     model.attach_target_weights(embedding, head)
     model.to(device)
@@ -115,7 +127,6 @@ def train(
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     lr_at = _warmup_cosine(cfg.warmup_steps, total, cfg.time_budget_s)
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "history": []}
-    ckpt = work / "checkpoint.pt"
     if resume and ckpt.exists():
         state = _load_checkpoint(ckpt, model, opt)
     runner = _Unrolled(model, cfg.unroll_steps)
@@ -152,6 +163,8 @@ def train(
             bar.update(1)
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
             out_of_time = cfg.time_budget_s and state["train_s"] >= cfg.time_budget_s
+            if rank == 0 and cfg.eval_every and state["step"] % cfg.eval_every == 0 and split.held_out:
+                _record_eval(state, evaluate(model, split.held_out, cfg, device, head), bar)
             if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time):
                 _save_checkpoint(ckpt, model, opt, state)
             if state["step"] >= total or out_of_time:
@@ -161,10 +174,7 @@ def train(
             state["epoch"] += 1
             state["batch_in_epoch"] = 0
             if rank == 0 and split.held_out:
-                ev = evaluate(model, split.held_out, cfg, device, head)
-                state["history"].append({"step": state["step"], "eval": asdict(ev)})
-                bar.write(f"epoch {state['epoch']}: held-out top-1 {ev.top1:.3f}, "
-                          f"accepted length (k={cfg.eval_chain}) {ev.accepted_length:.2f}")
+                _record_eval(state, evaluate(model, split.held_out, cfg, device, head), bar)
     bar.close()
     summary = {}
     if rank == 0:
@@ -253,6 +263,37 @@ def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch
     acc_len = 1.0 + torch.cat(accepted).mean().item() if accepted else 1.0
     step_top1 = (hits / tries.clamp_min(1)).tolist()
     return EvalResult(top1=step_top1[0], accepted_length=acc_len, loss=float(np.mean(losses)), step_top1=step_top1)
+
+
+def _record_eval(state: dict, ev: EvalResult, bar) -> None:
+    state["history"].append({"step": state["step"], "epoch": state["epoch"], "train_s": state["train_s"],
+                             "eval": asdict(ev)})
+    bar.write(f"step {state['step']} (epoch {state['epoch']}, {state['train_s'] / 60:.0f} min): held-out top-1 "
+              f"per step {' '.join(f'{x:.3f}' for x in ev.step_top1)}, accepted length {ev.accepted_length:.2f}")
+
+
+@torch.no_grad()
+def copy_block(blk, w: dict) -> None:
+    """Load a target block (HF layout: q, k, v, o, gate, up, down, attn_norm, ffn_norm) into a draft block.
+
+    WHY: the target's own last block already maps a residual stream to the next hidden state; the
+    draft starts from that function instead of noise.  A block whose attention reads EAGLE-3's wide
+    input ([norm(e); norm(g)]) takes the target's q/k/v on its g half; its e half stays random."""
+    qkv = torch.from_numpy(np.concatenate([w["q"], w["k"], w["v"]]))
+    gate_up = torch.from_numpy(np.concatenate([w["gate"], w["up"]]))
+    h = qkv.shape[1]
+    for name, have, want in (("qkv", blk.qkv.weight.shape[0], qkv.shape[0]), ("ffn", blk.down.weight.shape[1],
+                                                                               w["down"].shape[1])):
+        if have != want:
+            raise HeteroSpecError(f"the target's block does not fit the draft's ({name}: {want} vs {have}); "
+                                  "draft and target must share head counts and FFN size")
+    blk.qkv.weight[:, -h:].copy_(qkv)
+    blk.o.weight.copy_(torch.from_numpy(w["o"]))
+    blk.gate_up.weight.copy_(gate_up)
+    blk.down.weight.copy_(torch.from_numpy(w["down"]))
+    blk.ffn_norm.weight.copy_(torch.from_numpy(w["ffn_norm"]))
+    if blk.attn_norm is not None:
+        blk.attn_norm.weight.copy_(torch.from_numpy(w["attn_norm"]))
 
 
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -360,6 +401,8 @@ def _jsonable(d):
 
 
 def _plot_history(history: list[dict], path: Path) -> None:
+    """Training loss, train top-1, and the held-out curves: top-1 per unrolled step and the
+    teacher-forced accepted length, against training time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,14 +412,18 @@ def _plot_history(history: list[dict], path: Path) -> None:
     evals = [h for h in history if "eval" in h]
     if not steps:
         return
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.5))
     ax[0].plot([h["step"] for h in steps], [h["loss"] for h in steps], lw=0.6)
     ax[0].set(xlabel="step", ylabel="training loss", yscale="log")
-    ax[1].plot([h["step"] for h in steps], [h["acc"] for h in steps], lw=0.6, label="train top-1")
+    ax[1].plot([h["step"] for h in steps], [h["acc"] for h in steps], lw=0.6, color="0.6", label="train top-1 (step 0)")
+    for j in range(len(evals[0]["eval"].get("step_top1", [])) if evals else 0):
+        ax[1].plot([h["step"] for h in evals], [h["eval"]["step_top1"][j] for h in evals], "o-", ms=3,
+                   label=f"held-out top-1, step {j}")
+    ax[1].set(xlabel="step", ylabel="accuracy vs the target's argmax")
+    ax[1].legend(fontsize=7)
     if evals:
-        ax[1].plot([h["step"] for h in evals], [h["eval"]["top1"] for h in evals], "o-", label="held-out top-1")
-    ax[1].set(xlabel="step", ylabel="accuracy")
-    ax[1].legend()
+        ax[2].plot([h["step"] for h in evals], [h["eval"]["accepted_length"] for h in evals], "o-", ms=3)
+    ax[2].set(xlabel="step", ylabel="held-out accepted length (teacher-forced)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -31,6 +31,11 @@ class OracleDraft:
     def skip(self, n: int) -> None:
         self.cell_tokens.extend([-1] * n)  # positions whose features were never computed
 
+    def prefill(self, features: np.ndarray, tokens) -> None:
+        assert features.shape[0] == len(tokens) and features.dtype == np.float32
+        self.features_seen += features.shape[0]
+        self.cell_tokens.extend(int(t) for t in tokens)
+
     def propose(self, features: np.ndarray, tokens, k: int) -> list[int]:
         assert features.shape[0] == len(tokens) and features.dtype == np.float32
         self.features_seen += features.shape[0]

@@ -43,22 +43,36 @@ def test_taps_out_of_range_are_refused(model_path):
         LlamaTarget(model_path, TargetOptions(n_ctx=64, taps=(2, 30)))
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
-def test_taps_draft_output_equals_plain(model_path, taps_draft_path, mode):
+@pytest.fixture(scope="module")
+def taps_hs(model_path, taps_draft_path):
     from hetero_spec.api import HeteroSpec
+
+    with HeteroSpec(model_path, taps_draft_path, n_ctx=1024, draft_device="cpu", draft_dtype="float32") as hs:
+        yield hs
+
+
+PROMPTS = bench_prompts("mt_bench", 1) + bench_prompts("humaneval", 1)
+
+
+@pytest.fixture(scope="module")
+def plain(taps_hs):
+    out = {}
+    for p in PROMPTS:
+        taps_hs.reset()
+        out[p] = taps_hs.chat([{"role": "user", "content": p}], max_new_tokens=40, draft_len=0).tokens
+    return out
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "auto"])
+def test_taps_draft_output_equals_plain(taps_hs, plain, mode):
     from hetero_spec.config import TreeSpec
 
-    prompts = bench_prompts("mt_bench", 2) + bench_prompts("humaneval", 1)
-    with HeteroSpec(model_path, taps_draft_path, n_ctx=1024, draft_device="cpu") as hs:
-        assert hs.target.feature_size == 3 * hs.target.n_embd
-        for p in prompts:
-            msgs = [{"role": "user", "content": p}]
-            hs.reset()
-            plain = hs.chat(msgs, max_new_tokens=48, draft_len=0).tokens
-            hs.reset()
-            kw = {"chain": dict(draft_len=3), "tree": dict(draft_len=4, tree=TreeSpec(total_tokens=8, depth=4)),
-                  "auto": dict(draft_len="auto")}[mode]
-            out = hs.chat(msgs, max_new_tokens=48, **kw)
-            assert out.tokens == plain, f"{mode} diverged on {p[:40]!r}"
-            if mode != "auto":
-                assert any(r.drafted for r in out.stats.rounds)
+    assert taps_hs.target.feature_size == 3 * taps_hs.target.n_embd
+    kw = {"chain": dict(draft_len=3), "tree": dict(draft_len=4, tree=TreeSpec(total_tokens=8, depth=4)),
+          "auto": dict(draft_len="auto")}[mode]
+    for p in PROMPTS:
+        taps_hs.reset()
+        out = taps_hs.chat([{"role": "user", "content": p}], max_new_tokens=40, **kw)
+        assert out.tokens == plain[p], f"{mode} diverged on {p[:40]!r}"
+        if mode != "auto":
+            assert any(r.drafted for r in out.stats.rounds)

@@ -1,0 +1,108 @@
+"""Self-distillation throughput: single-sequence greedy generation against ``generate-corpus``'s bulk path.
+
+Same GGUF, same threads, the same ShareGPT first prompts, greedy, the same answer cap.  Three ways,
+repeated in rotating order, medians reported:
+  single       one conversation at a time through LlamaTarget (prefill, then one token per decode):
+               what plain self-distillation costs;
+  bulk-ids     BulkGenerator, N conversations per decode, token ids only (the decode-only figure);
+  corpus       the whole ``generate-corpus`` command: bulk decoding with features and EAGLE-3 taps,
+               rendering, decontamination and shard writing (the whole-export figure).
+Throughput counts generated assistant tokens per second of wall time.
+
+    python scripts/bench_corpus.py "$(python scripts/default_model.py)" --prompts 48 -t 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from converters.corpus import CorpusConfig, _split_turns, generate_corpus
+from converters.datasets import ChatRenderer, load_source, resolve_source, select
+from hetero_spec.target.bulk_generate import BulkGenerator, BulkOptions
+from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+
+
+def prompts_of(model: Path, n: int, seed: int) -> tuple[list[tuple[int, list[int]]], int]:
+    """The first ``n`` usable first prompts of the shuffled source, and how many conversations that took
+    (so that ``generate-corpus --limit`` covers the same ones)."""
+    convs = select(load_source(resolve_source(None)).conversations, limit=4 * n, seed=seed)
+    out = []
+    span = 0
+    with LlamaTarget(model, TargetOptions(n_ctx=256, n_threads=1, embeddings=False)) as t:
+        r = ChatRenderer(t.chat_template, t.bos_token, t.eos_token, lambda s: t.tokenize(s, add_special=False), t.is_eog)
+        for span, c in enumerate(convs, 1):
+            prompt, _ = _split_turns(c.messages)
+            ids = r.prompt_ids(prompt) if prompt else []
+            if 0 < len(ids) <= 1024:
+                out.append((c.index, ids))
+            if len(out) == n:
+                break
+    return out, span
+
+
+def single(model: Path, prompts, max_new: int, threads: int) -> tuple[int, float]:
+    generated = 0
+    t0 = time.perf_counter()
+    with LlamaTarget(model, TargetOptions(n_ctx=2048, n_threads=threads, embeddings=False)) as t:
+        for _, ids in prompts:
+            t.reset()
+            _, logits = t.prefill(ids)
+            for _ in range(max_new):
+                tok = int(logits.argmax())
+                generated += 1
+                if t.is_eog(tok):
+                    break
+                logits = t.verify([tok])[0][-1]
+    return generated, time.perf_counter() - t0
+
+
+def bulk(model: Path, prompts, max_new: int, threads: int, n_seq: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    with BulkGenerator(model, BulkOptions(n_seq=n_seq, max_new_tokens=max_new, n_threads=threads)) as g:
+        generated = sum(sum(r.mask) for r in g.generate(prompts))
+    return generated, time.perf_counter() - t0
+
+
+def corpus(model: Path, span: int, max_new: int, threads: int, n_seq: int, seed: int) -> tuple[int, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        m = generate_corpus(CorpusConfig(model=model, out=Path(tmp) / "c", limit=span, seed=seed, turns=1,
+                                         max_new_tokens=max_new, n_seq=n_seq, threads=threads, chunk=span,
+                                         taps=(2, 15, 27)), progress=False)
+        return m["counts"]["assistant_tokens"], time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--n-seq", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    a = ap.parse_args()
+    prompts, span = prompts_of(a.model, a.prompts, a.seed)
+    ways = {
+        "single": lambda: single(a.model, prompts, a.max_new_tokens, a.threads),
+        "bulk-ids": lambda: bulk(a.model, prompts, a.max_new_tokens, a.threads, a.n_seq),
+        "corpus": lambda: corpus(a.model, span, a.max_new_tokens, a.threads, a.n_seq, a.seed),
+    }
+    rates: dict[str, list[float]] = {k: [] for k in ways}
+    names = list(ways)
+    for r in range(a.repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            tokens, seconds = ways[name]()
+            rates[name].append(tokens / seconds)
+            print(f"repeat {r} {name:9s} {tokens:6d} tokens {seconds:7.1f} s {tokens / seconds:7.1f} tok/s", flush=True)
+    base = statistics.median(rates["single"])
+    for name in names:
+        med = statistics.median(rates[name])
+        print(f"{name:9s} median {med:7.1f} tok/s  {med / base:5.2f}x single")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""generate-corpus on the real GGUF: bulk answers with features and taps, second turns, decontamination,
+and a resume that ends where an uninterrupted run ends."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from converters import corpus as corpus_mod
+from converters.corpus import CorpusConfig, generate_corpus
+from hetero_spec.bench.prompts import bench_prompts
+from hetero_spec.features import iter_sequences, read_manifest
+from hetero_spec.target.layer_taps import LayerTapTarget
+
+TAPS = (2, 15, 27)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """Eight short conversations (two with a second user turn), plus one that quotes an MT-Bench
+    prompt verbatim and one that shares an 8-word run with a GSM8K prompt."""
+    convs = [[("user", f"Name {n} colours."), ("assistant", "x")] for n in ("two", "three", "four", "five")]
+    convs += [[("user", "Say hello."), ("assistant", "Hello!"), ("user", "Now say goodbye.")],
+              [("user", "What is 2 + 2?"), ("assistant", "4"), ("user", "And 3 + 3?"), ("assistant", "6")],
+              [("user", "Write one word."), ("assistant", "Word.")],
+              [("user", "Count to three."), ("assistant", "1 2 3")]]
+    convs += [[("user", bench_prompts("mt_bench", 1)[0]), ("assistant", "x")]]
+    words = bench_prompts("gsm8k", 1)[0].split()[:10]
+    convs += [[("user", "Please help: " + " ".join(words) + " thanks"), ("assistant", "x")]]
+    path = tmp_path_factory.mktemp("src") / "convs.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]})
+                              for conv in convs) + "\n")
+    return path
+
+
+def config(model_path, source, out, **kw) -> CorpusConfig:
+    base = dict(model=model_path, out=out, source=str(source), turns=2, max_new_tokens=24, n_seq=4, threads=1,
+                chunk=4, taps=TAPS)
+    return CorpusConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def made(model_path, source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus") / "c"
+    return out, generate_corpus(config(model_path, source, out), progress=False)
+
+
+def test_corpus_counts_turns_and_decontamination(made):
+    out, m = made
+    c = m["counts"]
+    assert m["decontamination"]["dropped_exact"] == 1 and m["decontamination"]["dropped_ngram8"] == 1
+    assert c["conversations"] == 8 and m["progress"]["done"]
+    seqs = list(iter_sequences(out / "features"))
+    assert len(seqs) == 8 and sum(len(s) for s in seqs) == c["tokens"]
+    assert sum(int(s.loss_mask.sum()) for s in seqs) == c["assistant_tokens"]
+    assert c["turns"] == 8 + c.get("turn2", 0) and c["turns"] <= 10  # at most one second turn each
+    manifest = read_manifest(out / "features")
+    assert manifest.n_sequences == 8
+
+
+def test_ids_shards_match_the_features_and_taps_are_block_inputs(made, model_path):
+    from safetensors.numpy import load_file
+
+    out, _ = made
+    seqs = list(iter_sequences(out / "features"))
+    ids = np.concatenate([load_file(str(p))["input_ids"] for p in sorted((out / "ids").glob("ids-*.safetensors"))])
+    assert np.array_equal(ids, np.concatenate([s.input_ids for s in seqs]))
+    s = max(seqs, key=len)
+    assert set(s.extras) == {f"tap_{i}" for i in TAPS}
+    with LayerTapTarget(model_path, tuple(i - 1 for i in TAPS), n_threads=1, kv_type="f16") as lt:
+        hidden, outs = lt.run([int(x) for x in s.input_ids])
+    n = len(s) - 1  # the last token was sampled, never decoded: its row is zero
+    assert not s.hidden[-1].any()
+    rel = lambda a, b: float(np.linalg.norm(a[:n].astype(np.float32) - b[:n]) / np.linalg.norm(b[:n]))  # noqa: E731
+    assert rel(s.hidden, hidden) < 1e-2
+    for i in TAPS:
+        assert rel(s.extras[f"tap_{i}"], outs[i - 1]) < 1e-2
+
+
+def test_an_interrupted_corpus_resumes_to_the_same_result(made, model_path, source, tmp_path, monkeypatch):
+    out = tmp_path / "c"
+    real = corpus_mod._run_chunk
+    calls = {"n": 0}
+
+    def dies_on_the_second_chunk(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(corpus_mod, "_run_chunk", dies_on_the_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        generate_corpus(config(model_path, source, out), progress=False)
+    assert json.loads((out / "manifest.json").read_text())["progress"]["next_index"] == 4
+    monkeypatch.setattr(corpus_mod, "_run_chunk", real)
+    m = generate_corpus(config(model_path, source, out), progress=False)
+    whole, _ = made
+    assert m["counts"] == json.loads((whole / "manifest.json").read_text())["counts"]
+    for a, b in zip(iter_sequences(out / "features"), iter_sequences(whole / "features")):
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.loss_mask, b.loss_mask)
+
+
+def test_other_settings_in_the_same_folder_are_refused(made, model_path, source):
+    from converters.corpus import CorpusError
+
+    out, _ = made
+    with pytest.raises(CorpusError, match="other settings"):
+        generate_corpus(config(model_path, source, out, max_new_tokens=30), progress=False)
