@@ -20,7 +20,6 @@ from .errors import ContextFull, HeteroSpecError
 from .records import RunStats
 from .spec.orchestrator import generate_tokens
 from .spec.policy import AutoPolicy, FixedPolicy, Shape
-
 from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 

@@ -174,6 +174,29 @@ class ContextHandle:
             self.ptr = None
 
 
+class Owners:
+    """Base of the objects that own a model, a context and a batch: closes them batch, context, then
+    model, and closes on ``with``.  Subclasses set ``_model``, ``_ctx`` and ``_batch`` (None until made)."""
+
+    _model: ModelHandle | None = None
+    _ctx: "ContextHandle | None" = None
+    _batch: "BatchHandle | None" = None
+
+    def close(self) -> None:
+        for owner in (self._batch, self._ctx, self._model):
+            if owner is not None:
+                owner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self._model.vocab, token))
+
+
 class BatchHandle:
     """Owns a ``llama_batch`` and exposes its arrays as NumPy views, filled without per-row ctypes calls."""
 

@@ -21,7 +21,7 @@ import numpy as np
 from ..config import DEFAULT_KV_TYPE
 from ..errors import TargetError
 from . import _ffi
-from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
+from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class _Slot:
         return self.fed + len(self.out) - (1 if self.pending is not None else 0)
 
 
-class BatchGenerator:
+class BatchGenerator(Owners):
     """Owns a model and a multi-sequence context; ``generate`` streams (key, answer ids)."""
 
     def __init__(self, path: str | Path, options: GenerateOptions = GenerateOptions()) -> None:
@@ -61,8 +61,6 @@ class BatchGenerator:
 
         self.options = options
         self._model = ModelHandle(Path(path))
-        self._ctx = None
-        self._batch = None
         try:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
@@ -73,20 +71,6 @@ class BatchGenerator:
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        for owner in (self._batch, self._ctx, self._model):
-            if owner is not None:
-                owner.close()
-
-    def __enter__(self) -> "BatchGenerator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def is_eog(self, token: int) -> bool:
-        return bool(C.llama_vocab_is_eog(self._model.vocab, token))
 
     def generate(self, prompts: Sequence[tuple[int, list[int]]],
                  on_tokens: Callable[[int], None] | None = None

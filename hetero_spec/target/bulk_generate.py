@@ -26,7 +26,7 @@ import numpy as np
 from ..config import DEFAULT_KV_TYPE
 from ..errors import TargetError
 from . import _ffi
-from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
+from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class _Slot:
 Continuation = Callable[[int, list[int]], "list[int] | None"]
 
 
-class BulkGenerator:
+class BulkGenerator(Owners):
     """Owns a model and a unified multi-sequence context; ``generate`` streams finished conversations.
 
     >>> with BulkGenerator("model.gguf", BulkOptions(n_seq=32)) as g:
@@ -86,7 +86,6 @@ class BulkGenerator:
 
         self.options = options
         self._model = ModelHandle(Path(path))
-        self._ctx = self._batch = None
         try:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self.n_embd = C.llama_model_n_embd(self._model.ptr)
@@ -99,20 +98,6 @@ class BulkGenerator:
         except BaseException:
             self.close()
             raise
-
-    def close(self) -> None:
-        for owner in (self._batch, self._ctx, self._model):
-            if owner is not None:
-                owner.close()
-
-    def __enter__(self) -> "BulkGenerator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def is_eog(self, token: int) -> bool:
-        return bool(C.llama_vocab_is_eog(self._model.vocab, token))
 
     def generate(self, prompts: Sequence[tuple[int, list[int]]], continue_with: Continuation | None = None,
                  on_rows: Callable[[int, int], None] | None = None) -> Iterator[BulkResult]:

@@ -19,7 +19,7 @@ import numpy as np
 from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint
 from . import _ffi
 from ..errors import ContextFull, TargetError
-from ._ffi import C, BatchHandle, ContextHandle, ModelHandle
+from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
 
 
 def default_threads() -> int:
@@ -97,7 +97,7 @@ def kv_type_id(name: str, model=None) -> int:
     return getattr(C, f"GGML_TYPE_{name.upper()}")
 
 
-class LlamaTarget:
+class LlamaTarget(Owners):
     """Prefill / verify / rollback over one llama.cpp sequence.
 
     >>> t = LlamaTarget("SmolLM2.gguf")
@@ -163,18 +163,6 @@ class LlamaTarget:
             return False
         return True
 
-    # ----------------------------------------------------------------- lifecycle
-    def close(self) -> None:
-        for owner in (self._batch, self._ctx, self._model):  # batch, context, then model
-            if owner is not None:
-                owner.close()
-
-    def __enter__(self) -> "LlamaTarget":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ---------------------------------------------------------------- vocabulary
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
@@ -201,9 +189,6 @@ class LlamaTarget:
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
-
-    def is_eog(self, token: int) -> bool:
-        return bool(C.llama_vocab_is_eog(self._model.vocab, token))
 
     def token_text(self, token: int) -> str:
         return C.llama_vocab_get_text(self._model.vocab, token).decode("utf-8", errors="replace")

@@ -246,7 +246,7 @@ def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch
         steps = unrolled_forward(model, batch.inputs, batch.next_tokens, batch.valid, k)
         loss, _, _, _ = _batch_loss(_Unrolled(model, 1), model, batch, cfg, 0.0)
         losses.append(loss.item())
-        target_next = (batch.features @ head.t()).argmax(-1)  # [B, T]: the target's x_{t+1} after f_t
+        target_next = _argmax_rows(batch.features, head)  # [B, T]: the target's x_{t+1} after f_t
         start = _shift(batch.loss_mask & batch.valid, 2) & (pos < T - 2)
         run = start.clone()
         length = torch.zeros(batch.ids.shape, device=device)
@@ -263,6 +263,14 @@ def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch
     acc_len = 1.0 + torch.cat(accepted).mean().item() if accepted else 1.0
     step_top1 = (hits / tries.clamp_min(1)).tolist()
     return EvalResult(top1=step_top1[0], accepted_length=acc_len, loss=float(np.mean(losses)), step_top1=step_top1)
+
+
+def _argmax_rows(feats: torch.Tensor, head: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """argmax(feats @ head.T) over the last axis, a few rows at a time: a full head (262k rows for Gemma)
+    times a 4096-token batch would be gigabytes of logits at once."""
+    flat = feats.reshape(-1, feats.shape[-1])
+    out = torch.cat([(chunk @ head.t()).argmax(-1) for chunk in flat.split(rows)])
+    return out.view(feats.shape[:-1])
 
 
 def _record_eval(state: dict, ev: EvalResult, bar) -> None:
