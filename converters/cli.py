@@ -89,10 +89,23 @@ _TEMPLATE_OPTION = click.option(
 @click.option("--hf-model", type=click.Path(file_okay=False, path_type=Path),
               help="extract hidden states with transformers from this HF checkpoint instead of MODEL (GGUF)")
 @_TEMPLATE_OPTION
+@click.option("--corpus", type=click.Path(file_okay=False, path_type=Path),
+              help="features for the token ids of this generate-corpus folder (no rendering, no generation)")
+@click.option("--taps", callback=_parse_layers, help="with --corpus: also store the input of these blocks, e.g. 2,15,27")
 def export_features(model, out_dir, source, limit, offset, seed, shard, regenerate, temperature, max_new_tokens,
-                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, prefill_batch, hf_model, template) -> None:
+                    n_seq, dtype, max_len, topk, layers, threads, shard_mb, prefill_batch, hf_model, template, corpus,
+                    taps) -> None:
     """Export target features (ids, hidden states, loss masks) of conversations for draft training."""
     from .export_features import ExportConfig, export_features as run_export
+
+    if corpus is not None:
+        from .corpus import reexport_features
+
+        m = reexport_features(corpus, model, out_dir, taps, threads, prefill_batch)
+        click.echo(f"{out_dir}: {m.n_sequences} sequences, {m.n_tokens} tokens in {len(m.shards)} shards")
+        return
+    if taps:
+        raise click.UsageError("--taps goes with --corpus (generate-corpus --taps stores them while generating)")
 
     cfg = ExportConfig(model=model, out=out_dir, source=source, limit=limit, offset=offset, seed=seed, shard=shard,
                        regenerate=regenerate, temperature=temperature, max_new_tokens=max_new_tokens, n_seq=n_seq,

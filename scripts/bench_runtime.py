@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from hetero_spec.config import DEFAULT_KV_TYPE, KV_TYPES
+from hetero_spec.config import DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES
 
 
 @click.command()
@@ -31,7 +31,7 @@ from hetero_spec.config import DEFAULT_KV_TYPE, KV_TYPES
 @click.option("--tokens", default=128, show_default=True)
 @click.option("--k", default=3, show_default=True)
 @click.option("--dataset", default="mt_bench", show_default=True)
-@click.option("--draft-dtype", default="auto", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True)
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="threads (0 = all cores)")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True)
 def main(model: Path, draft: Path, prompts: int, tokens: int, k: int, dataset: str, draft_dtype: str, threads: int,

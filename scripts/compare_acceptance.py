@@ -24,6 +24,7 @@ import torch
 
 from hetero_spec.api import HeteroSpec
 from hetero_spec.bench.prompts import DATASETS, load_dataset
+from hetero_spec.config import DRAFT_DTYPES
 from hetero_spec.train.unroll import unrolled_forward
 
 
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--draft-dtype", default="auto")
+    ap.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from ..config import DEFAULT_KV_TYPE, KV_TYPES, TreeSpec
+from ..config import DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, TreeSpec
 from ..errors import HeteroSpecError
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -29,7 +29,7 @@ def _split(value: str) -> tuple[str, ...]:
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="threads for every method (0 = all cores)")
 @click.option("--ctx", default=2048, show_default=True, type=click.IntRange(64), help="context size")
 @click.option("--draft-device", default="cpu", show_default=True)
-@click.option("--draft-dtype", default="auto", show_default=True)
+@click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True)
 @click.option("--lookup-tokens", default=2, show_default=True, type=click.IntRange(1),
               help="prompt-lookup draft length (llama-cpp-python advises 2 on CPU-only machines)")
 @click.option("--tree-tokens", default=12, show_default=True, type=click.IntRange(1, 31),

@@ -107,3 +107,31 @@ def test_other_settings_in_the_same_folder_are_refused(made, model_path, source)
     out, _ = made
     with pytest.raises(CorpusError, match="other settings"):
         generate_corpus(config(model_path, source, out, max_new_tokens=30), progress=False)
+
+
+def test_reexport_from_the_ids_gives_the_runtimes_features(made, model_path, tmp_path):
+    """Prefill-speed features from the corpus's token ids equal what the runtime's LlamaTarget (q8_0 KV
+    cells, 32-row micro-batches, taps from llama.cpp's layer-input API) computes for the same ids, bit
+    for bit; the features kept while generating (F16 cells, other batches) are a few percent off."""
+    from converters.corpus import reexport_features
+    from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+
+    out, _ = made
+    m = reexport_features(out, model_path, tmp_path / "f", TAPS, threads=1, progress=False)
+    assert m.n_sequences == 8
+    with LlamaTarget(model_path, TargetOptions(n_ctx=1024, n_threads=1)) as hid, \
+            LlamaTarget(model_path, TargetOptions(n_ctx=1024, n_threads=1, taps=TAPS)) as tap:
+        for a, b in zip(iter_sequences(tmp_path / "f"), iter_sequences(out / "features")):
+            assert np.array_equal(a.input_ids, b.input_ids)
+            ids = [int(x) for x in a.input_ids]
+            hidden, _ = hid.prefill(ids)
+            taps, _ = tap.prefill(ids)
+            hid.reset()
+            tap.reset()
+            np.testing.assert_array_equal(a.hidden, hidden.astype(np.float16))
+            np.testing.assert_array_equal(np.concatenate([a.extras[f"tap_{i}"] for i in TAPS], 1), taps.astype(np.float16))
+            n = len(a) - 1
+            kept = b.hidden[:n].astype(np.float32)
+            assert np.linalg.norm(a.hidden[:n].astype(np.float32) - kept) / np.linalg.norm(kept) < 0.08
+    again = reexport_features(out, model_path, tmp_path / "f", TAPS, threads=1, progress=False)  # nothing left to do
+    assert [s.file for s in again.shards] == [s.file for s in m.shards]
