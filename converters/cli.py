@@ -146,16 +146,18 @@ def merge_features(out_dir, parts) -> None:
               help="also store the input of these blocks (EAGLE-3 fusion), e.g. 2,15,27")
 @click.option("--no-features", is_flag=True, help="token ids only (features later with export-features --corpus)")
 @click.option("--chunk", default=512, show_default=True, type=click.IntRange(1), help="conversations per resume unit")
+@click.option("--shard", "shard", default="0/1", show_default=True, callback=_parse_shard,
+              help="this process's part i/N of the selection, into its own OUT_DIR (train reads all parts)")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
 @_TEMPLATE_OPTION
 def generate_corpus(model, out_dir, source, limit, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
-                    no_features, chunk, threads, template) -> None:
+                    no_features, chunk, shard, threads, template) -> None:
     """Answer ShareGPT prompts with the target itself (greedy, many at once) into a resumable training corpus."""
     from .corpus import CorpusConfig, generate_corpus as run
 
     m = run(CorpusConfig(model=model, out=out_dir, source=source, limit=limit, seed=seed, turns=turns,
                          max_new_tokens=max_new_tokens, max_prompt=max_prompt, n_seq=n_seq, threads=threads,
-                         chunk=chunk, features=not no_features, taps=taps, template=template))
+                         chunk=chunk, features=not no_features, taps=taps, template=template, shard=shard))
     c, d = m["counts"], m["decontamination"]
     click.echo(f"{out_dir}: {c['conversations']} conversations, {c['tokens']} tokens ({c['assistant_tokens']} generated "
                f"assistant tokens, {c['turns']} turns, {c['truncated']} stopped at --max-new-tokens); "

@@ -60,6 +60,9 @@ class CorpusConfig:
     features: bool = True  # write training features from the same decodes
     taps: tuple[int, ...] = ()  # block inputs stored beside the final hidden state (tap_<i>)
     template: str = "gguf"  # "gguf" (the model's own) or "plain" (datasets.TEMPLATES)
+    # part i of N: every N-th conversation of the selection, so N single-thread processes on a
+    # compute-bound CPU cover it once (two 1-thread llama.cpp processes outrun one with 2 threads)
+    shard: tuple[int, int] = (0, 1)
 
     def content(self) -> dict:
         """What decides the corpus's content; a resumed run must match it exactly."""
@@ -67,7 +70,8 @@ class CorpusConfig:
                     max_prompt=self.max_prompt, seq_ctx=self.seq_ctx, chunk=self.chunk, features=self.features,
                     taps=list(self.taps), greedy=True,
                     # only when not the default, so corpora begun before the option still resume
-                    **({"template": self.template} if self.template != "gguf" else {}))
+                    **({"template": self.template} if self.template != "gguf" else {}),
+                    **({"shard": list(self.shard)} if self.shard != (0, 1) else {}))
 
 
 @dataclass
@@ -91,7 +95,7 @@ def generate_corpus(cfg: CorpusConfig, progress: bool = True) -> dict:
         renderer = ChatRenderer.for_target(vocab, cfg.template)  # refuses a model without a template
         detokenize = vocab.detokenize
         manifest = _open(cfg, src, vocab.fingerprint)
-        plans, dropped = _plan(select(src.conversations, limit=cfg.limit, seed=cfg.seed), cfg)
+        plans, dropped = _plan(select(src.conversations, limit=cfg.limit, seed=cfg.seed, shard=cfg.shard), cfg)
         manifest["decontamination"] = dropped
         progress_state = manifest["progress"]
         if progress_state["done"]:

@@ -19,6 +19,10 @@ from .draft.int8 import Int8Calibration, Int8Check
 from .target.gguf_weights import cache_dir
 
 
+# Bumped whenever what the check measures changes (v2: the int8 head rescores its top rows in float).
+CHECK_VERSION = "v2"
+
+
 def _ident(path: str | Path) -> str:
     p = Path(path).resolve()
     st = p.stat()
@@ -26,7 +30,7 @@ def _ident(path: str | Path) -> str:
 
 
 def cache_path(target_path: str | Path, draft_path: str | Path) -> Path:
-    key = "|".join([machine_id(0), torch.__version__, os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", ""),
+    key = "|".join([CHECK_VERSION, machine_id(0), torch.__version__, os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", ""),
                     _ident(target_path), _ident(draft_path)])
     return cache_dir() / "int8" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
 

@@ -17,7 +17,7 @@ from ..config import DRAFT_DTYPES, DenoiseConfig, SamplingConfig
 from ..spec.sampling import draw_without_replacement, process_logits
 from ..errors import DraftError
 from ..cpu_features import cpu_has_bf16
-from .int8 import (FLOAT_MODULES, HEAD, INT8_MAX_ERROR, INT8_MIN_AGREEMENT, Int8Calibration, Int8Check, Int8Linear,
+from .int8 import (FLOAT_MODULES, HEAD, INT8_MAX_ERROR, INT8_MIN_AGREEMENT, Int8Calibration, Int8Check, RescoredInt8Head,
                    calibrate_int8, int8_available, quantize_linears)
 from .model import DraftModel
 
@@ -184,7 +184,7 @@ class DraftRunner:
         if self.weights.startswith("int8"):
             reduced, smooth = self.weights == "int8-reduced", self.int8_calibration.smooth
             quantize_linears(self.model, reduced, smooth, skip=FLOAT_MODULES)
-            self._head = Int8Linear(self.model.head, None, reduced, smooth[HEAD])
+            self._head = RescoredInt8Head(self.model.head, reduced, smooth[HEAD])
         else:
             head_t = self.model.head.t()
             self._head = lambda feat: feat @ head_t

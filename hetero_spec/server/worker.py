@@ -44,8 +44,6 @@ class Work:
     stream: bool
 
 
-
-
 class Worker:
     """Decodes queued jobs one at a time on a daemon thread; ``stop`` ends it after the current round."""
 

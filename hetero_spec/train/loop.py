@@ -45,6 +45,9 @@ class TrainConfig:
     grad_accum: int = 1
     clip: float = 0.5
     unroll_steps: int = 3  # EAGLE-3 style: the draft consumes its own outputs for this many steps
+    # share of the chain starts that the unrolled steps (1..) continue; step 0 always scores every row.
+    # A sample costs proportionally less and still shows the draft its own features
+    chain_sample: float = 1.0
     taps: tuple[int, ...] = ()  # target block inputs the draft reads (EAGLE-3 fusion); () = final hidden state
     # Share of training sequences whose prompt is a hole (no keys, no loss before the first answer token),
     # as the runtime's lazy prefill leaves it when auto does not expect to draft.
@@ -198,22 +201,31 @@ def train(
 def _batch_loss(runner, model: DraftModel, batch: Batch, cfg: TrainConfig, feat_rms: float,
                 bf16: bool = False):
     """runner: the (possibly DDP-wrapped) unrolled forward; feat_rms > 0 adds input noise; ``bf16``
-    autocasts the forward and the head matmuls of the losses (autocast keeps softmaxes in fp32)."""
+    autocasts the forward and the head matmuls of the losses (autocast keeps softmaxes in fp32).
+
+    Only scored rows are computed (``unroll.py``): step 0 where x_{s+2} is an answer token, and the
+    unrolled steps from a ``cfg.chain_sample`` share of those chain starts."""
     inputs = batch.inputs
     if feat_rms > 0 and cfg.noise > 0:
         inputs = inputs + torch.randn_like(inputs) * (cfg.noise * feat_rms)
+    T = batch.ids.shape[1]
+    pos = torch.arange(T, device=inputs.device)
+    scored = batch.loss_mask & batch.valid
+    seen = pos[None, :] >= batch.holes[:, None]  # queries that exist at inference
+    queries = _shift(scored, 2) & seen
+    chains = None
+    if cfg.unroll_steps > 1 and cfg.chain_sample < 1.0:
+        chains = queries & _shift(scored, 3) & (torch.rand(queries.shape, device=inputs.device) < cfg.chain_sample)
     with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
-        steps = runner(inputs, batch.next_tokens, batch.valid, batch.holes)
+        steps = runner(inputs, batch.next_tokens, batch.valid, batch.holes, queries, chains)
     total = torch.zeros((), device=inputs.device)
     correct = count = 0
     parts: dict[str, float] = {}
-    T = batch.ids.shape[1]
-    pos = torch.arange(T, device=inputs.device)
-    seen = pos[None, :] >= batch.holes[:, None]  # queries that exist at inference
     for j, st in enumerate(steps):
         # step j at chain s predicts f_{s+j+1} and (through the head) x_{s+j+2}
-        tgt_feat = _shift(batch.features, j + 1)
-        mask = _shift(batch.loss_mask & batch.valid, j + 2) & (pos < T - j - 2) & seen
+        tgt_feat = _gather_rows(batch.features, (st.pos + j + 1).clamp_max(T - 1))
+        ahead = st.pos + j + 2
+        mask = st.live & (ahead < T) & scored.gather(1, ahead.clamp_max(T - 1)) & seen.gather(1, st.pos)
         with torch.autocast(inputs.device.type, dtype=torch.bfloat16, enabled=bf16):
             sl = step_loss(st.features, tgt_feat, mask, model.head, cfg.loss)
         weight = cfg.loss.step_decay**j
@@ -221,8 +233,13 @@ def _batch_loss(runner, model: DraftModel, batch: Batch, cfg: TrainConfig, feat_
         if j == 0:
             correct, count, parts = sl.correct, sl.count, sl.parts
         if cfg.loss.recipe == "darter" and cfg.loss.gate > 0 and st.log_gates:
-            total = total + weight * cfg.loss.gate * gate_regularization(st.log_gates, batch.valid, cfg.loss.keep_ratio)
+            total = total + weight * cfg.loss.gate * gate_regularization(st.log_gates, st.gate_rows, cfg.loss.keep_ratio)
     return total, correct, count, parts
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, T, d] -> x[b, idx[b, n]] as [B, N, d]."""
+    return x.gather(1, idx[..., None].expand(-1, -1, x.shape[-1]))
 
 
 @torch.no_grad()
@@ -383,8 +400,8 @@ class _Unrolled(torch.nn.Module):
         super().__init__()
         self.model, self.steps = model, steps
 
-    def forward(self, feats, next_tokens, valid, holes=None):
-        return unrolled_forward(self.model, feats, next_tokens, valid, self.steps, holes)
+    def forward(self, feats, next_tokens, valid, holes=None, queries=None, chains=None):
+        return unrolled_forward(self.model, feats, next_tokens, valid, self.steps, holes, queries, chains)
 
 
 def _save_checkpoint(path: Path, model, opt, state) -> None:

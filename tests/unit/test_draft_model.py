@@ -224,3 +224,24 @@ def test_skipped_positions_take_no_attention():
     torch.testing.assert_close(run_rows(holed, feats[3:], toks[3:]), run_rows(ref, feats[3:], toks[3:]))
     with pytest.raises(Exception):
         holed.skip(10_000)
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch build without fbgemm")
+def test_rescored_int8_head_picks_the_float_argmax():
+    """The int8 head's top rows are recomputed in float, so its argmax is the float head's wherever the
+    true best row is among the int8 top 8; a plain int8 head flips the near-ties planted here."""
+    from hetero_spec.draft.int8 import RescoredInt8Head
+
+    torch.manual_seed(1)
+    base = torch.randn(512, 64)
+    head = torch.cat([base, base[:64] + 1e-3 * torch.randn(64, 64)])  # 64 near-twins of rows 0..63
+    feats = torch.randn(400, 64)
+    exact = feats @ head.t()
+    rescored = RescoredInt8Head(head, reduce_range=True, smooth=None)
+    plain = Int8Linear(head, None, True)
+    got = torch.cat([rescored(f) for f in feats.split(1)])
+    flat = torch.cat([plain(f) for f in feats.split(1)])
+    assert bool((got.argmax(-1) == exact.argmax(-1)).all())
+    assert int((flat.argmax(-1) != exact.argmax(-1)).sum()) > 0  # the planted ties do flip without rescoring
+    top = exact.topk(2, dim=-1).indices  # the best two (here often a planted pair) carry float's values
+    torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)

@@ -108,3 +108,31 @@ def test_unrolled_steps_match_what_the_runner_does_at_inference(variant):
     chain = r.propose(feats[: s + 1], ids[: s + 1], k=steps)
     expect = [int(m.d2t[m.logits(un[j].features[0, s]).argmax()]) for j in range(steps)]
     assert chain[0] == expect[0]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_selected_queries_and_sampled_chains_equal_the_full_unrolled_pass(variant):
+    """Computing only the scored rows (queries) and continuing only some chains changes which rows
+    exist, never their values: each selected row equals the same row of the full pass, at every step,
+    with padding, holes and per-row selections of different sizes."""
+    cfg = VARIANTS[variant]
+    m = make_model(cfg)
+    rng = np.random.default_rng(4)
+    B, T, steps = 3, 12, 3
+    feats = torch.from_numpy(rng.standard_normal((B, T, cfg.input_size)).astype(np.float32))
+    ids = torch.from_numpy(rng.integers(0, V, (B, T)))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[2, 9:] = False
+    holes = torch.tensor([0, 4, 0])
+    queries = torch.from_numpy(rng.random((B, T)) < 0.6) & valid
+    queries[1, :4] = False
+    chains = torch.from_numpy(rng.random((B, T)) < 0.5)
+    with torch.no_grad():
+        full = unrolled_forward(m, feats, ids, valid, steps, holes)
+        part = unrolled_forward(m, feats, ids, valid, steps, holes, queries, chains)
+    for j, (f, p) in enumerate(zip(full, part)):
+        want = queries if j == 0 else queries & chains
+        for b in range(B):
+            rows = p.pos[b][p.live[b]]
+            assert rows.tolist() == want[b].nonzero().flatten().tolist()
+            torch.testing.assert_close(p.features[b][p.live[b]], f.features[b, rows], rtol=1e-4, atol=1e-5)
