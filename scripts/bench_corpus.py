@@ -9,6 +9,10 @@ repeated in rotating order, medians reported:
                rendering, decontamination and shard writing (the whole-export figure).
 Throughput counts generated assistant tokens per second of wall time.
 
+``--streams 1,4,16,32`` instead times one decode of S rows, one per sequence, each sequence holding
+``--stream-ctx`` cells, over per-sequence KV streams and over one unified cache: the ceiling of any
+bulk generator on this CPU.
+
     python scripts/bench_corpus.py "$(python scripts/default_model.py)" --prompts 48 -t 2
 """
 from __future__ import annotations
@@ -75,6 +79,44 @@ def corpus(model: Path, span: int, max_new: int, threads: int, n_seq: int, seed:
         return m["counts"]["assistant_tokens"], time.perf_counter() - t0
 
 
+def stream_rows(model: Path, n_seq: int, unified: bool, threads: int, ctx: int, reps: int = 8) -> float:
+    """Median seconds of one llama_decode of ``n_seq`` rows, one per sequence, after ``ctx`` cells each."""
+    import numpy as np
+
+    from hetero_spec.target import _ffi
+    from hetero_spec.target._ffi import C, BatchHandle, ContextHandle, ModelHandle
+    from hetero_spec.target.llama_target import kv_type_id
+
+    _ffi.ensure_backend()
+    rng = np.random.default_rng(0)
+    m_handle = ModelHandle(model)
+    ctx_h = b = None
+    try:
+        ctx_h = ContextHandle(m_handle, n_ctx=(ctx + 64) * n_seq, n_batch=512, n_threads=threads, embeddings=False,
+                              n_seq_max=n_seq, kv_unified=unified, flash_attn=1, kv_type=kv_type_id("f16", m_handle))
+        b = BatchHandle(512)
+        for s in range(n_seq):
+            b.token[:ctx], b.pos[:ctx] = rng.integers(100, 40000, ctx), np.arange(ctx)
+            b.output[:ctx] = 0
+            for i in range(ctx):
+                b.seq_ids[i][0] = s
+            b.raw.n_tokens = ctx
+            _ffi.check_decode(C.llama_decode(ctx_h.ptr, b.raw))
+        times = []
+        for r in range(reps):
+            for s in range(n_seq):
+                b.token[s], b.pos[s], b.output[s], b.seq_ids[s][0] = 1000 + s, ctx + r, 1, s
+            b.raw.n_tokens = n_seq
+            t0 = time.perf_counter()
+            _ffi.check_decode(C.llama_decode(ctx_h.ptr, b.raw))
+            times.append(time.perf_counter() - t0)
+    finally:
+        for owner in (b, ctx_h, m_handle):
+            if owner is not None:
+                owner.close()
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", type=Path)
@@ -84,7 +126,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--streams", help="comma-separated sequence counts: time one-row-per-sequence decodes instead")
+    ap.add_argument("--stream-ctx", type=int, default=100, help="cells each sequence holds (--streams)")
     a = ap.parse_args()
+    if a.streams:
+        one = stream_rows(a.model, 1, False, a.threads, a.stream_ctx)
+        for n in (int(x) for x in a.streams.split(",")):
+            sep = one if n == 1 else stream_rows(a.model, n, False, a.threads, a.stream_ctx)
+            uni = stream_rows(a.model, n, True, a.threads, a.stream_ctx) if n > 1 else sep
+            print(f"{n:3d} sequences: per-sequence streams {sep * 1e3:7.1f} ms ({n / sep:5.0f} rows/s, "
+                  f"{sep / one:5.2f} t(1)) | unified {uni * 1e3:7.1f} ms ({n / uni:5.0f} rows/s)", flush=True)
+        return
     prompts, span = prompts_of(a.model, a.prompts, a.seed)
     ways = {
         "single": lambda: single(a.model, prompts, a.max_new_tokens, a.threads),

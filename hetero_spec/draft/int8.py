@@ -22,6 +22,12 @@ measures both modes on real rows (the target's features of a fixed text) and kee
 first whose layers stay within ``INT8_MAX_ERROR`` and whose proposals equal float's on
 ``INT8_MIN_AGREEMENT`` of the steps; ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` forces the saturating
 kernels on any x86 CPU, which is how the tests cover the path a VNNI host never takes.
+
+**The head rescores its best rows in float** (``RescoredInt8Head``).  On an AVX2-only EPYC the
+shipped eagle draft's int8 proposals matched float's on 90% (8-bit) and 94% (7-bit) of the
+calibration steps, so ``auto`` fell back to float32; most of the misses were near-ties flipped
+by the int8 head alone.  Recomputing its top 8 rows exactly raised the agreement to 96-97%
+(8-bit) and 96-100% (7-bit) on both shipped drafts, for about 20 us a step.
 """
 from __future__ import annotations
 

@@ -136,12 +136,13 @@ def train(
     if world > 1:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
     feat_rms = _feature_rms(split.train, cfg.taps)
+    held_targets: dict[int, torch.Tensor] = {}  # the target's argmax per held-out batch (evaluate)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
     done = state["step"] >= total
     while not done:
         batches = make_batches(split.train, cfg.batch_tokens, cfg.seed, state["epoch"])[rank::world]
         for bi in range(state["batch_in_epoch"], len(batches) - len(batches) % cfg.grad_accum, cfg.grad_accum):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.zero_grad(set_to_none=True)
             agg = {"loss": 0.0, "correct": 0, "count": 0}
             for a in range(cfg.grad_accum):
@@ -161,13 +162,15 @@ def train(
             state["step"] += 1
             state["batch_in_epoch"] = bi + cfg.grad_accum
             state["train_s"] += time.perf_counter() - t0
+            # CPU seconds of the steps (all threads): on a shared machine the wall clock overstates the work
+            state["cpu_s"] = state.get("cpu_s", 0.0) + time.process_time() - c0
             acc = agg["correct"] / max(1, agg["count"])
             state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
             bar.update(1)
             bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
             out_of_time = cfg.time_budget_s and state["train_s"] >= cfg.time_budget_s
             if rank == 0 and cfg.eval_every and state["step"] % cfg.eval_every == 0 and split.held_out:
-                _record_eval(state, evaluate(model, split.held_out, cfg, device, head), bar)
+                _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
             if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time):
                 _save_checkpoint(ckpt, model, opt, state)
             if state["step"] >= total or out_of_time:
@@ -177,15 +180,16 @@ def train(
             state["epoch"] += 1
             state["batch_in_epoch"] = 0
             if rank == 0 and split.held_out:
-                _record_eval(state, evaluate(model, split.held_out, cfg, device, head), bar)
+                _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
     bar.close()
     summary = {}
     if rank == 0:
         _save_checkpoint(ckpt, model, opt, state)
-        ev = evaluate(model, split.held_out, cfg, device, head) if split.held_out else None
+        ev = evaluate(model, split.held_out, cfg, device, head, held_targets) if split.held_out else None
         summary = {
             "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
-            "train_seconds": round(state["train_s"], 1), "train_sequences": len(split.train),
+            "train_seconds": round(state["train_s"], 1), "train_cpu_seconds": round(state.get("cpu_s", 0.0), 1),
+            "train_sequences": len(split.train),
             "train_tokens": int(sum(len(s) for s in split.train)),
             "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
             "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
@@ -243,12 +247,16 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch.Tensor) -> EvalResult:
+def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch.Tensor,
+             targets: dict[int, torch.Tensor] | None = None) -> EvalResult:
     """Held-out, teacher-forced, scored as verification scores: against the target's own argmax, its
     full-vocabulary head applied to f_{t+1} (not the data's next token, which on text the target did
     not write is someone else's).  top-1 at step 0, top-1 per unrolled step given the steps before
     it were accepted, and the mean accepted length of chain k = eval_chain for every chain start
-    (leading steps whose argmax is the target's, plus the bonus token)."""
+    (leading steps whose argmax is the target's, plus the bonus token).
+
+    ``targets``: a cache of the target's argmax per held-out batch, filled on the first call; the
+    full-vocabulary head over every held-out row is most of an evaluation's cost, and never changes."""
     model.eval()
     k = cfg.eval_chain
     head = full_head.to(device)
@@ -256,14 +264,17 @@ def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch
     tries = torch.zeros(k, device=device)
     accepted: list[torch.Tensor] = []
     losses = []
-    for idx in make_batches(seqs, cfg.batch_tokens, cfg.seed, 0):
+    targets = {} if targets is None else targets
+    for n, idx in enumerate(make_batches(seqs, cfg.batch_tokens, cfg.seed, 0)):
         batch = collate([seqs[i] for i in idx], cfg.taps).to(device)
         T = batch.ids.shape[1]
         pos = torch.arange(T, device=device)
         steps = unrolled_forward(model, batch.inputs, batch.next_tokens, batch.valid, k)
         loss, _, _, _ = _batch_loss(_Unrolled(model, 1), model, batch, cfg, 0.0)
         losses.append(loss.item())
-        target_next = _argmax_rows(batch.features, head)  # [B, T]: the target's x_{t+1} after f_t
+        if n not in targets:
+            targets[n] = _argmax_rows(batch.features, head)  # [B, T]: the target's x_{t+1} after f_t
+        target_next = targets[n]
         start = _shift(batch.loss_mask & batch.valid, 2) & (pos < T - 2)
         run = start.clone()
         length = torch.zeros(batch.ids.shape, device=device)
@@ -292,7 +303,7 @@ def _argmax_rows(feats: torch.Tensor, head: torch.Tensor, rows: int = 256) -> to
 
 def _record_eval(state: dict, ev: EvalResult, bar) -> None:
     state["history"].append({"step": state["step"], "epoch": state["epoch"], "train_s": state["train_s"],
-                             "eval": asdict(ev)})
+                             "cpu_s": state.get("cpu_s", 0.0), "eval": asdict(ev)})
     bar.write(f"step {state['step']} (epoch {state['epoch']}, {state['train_s'] / 60:.0f} min): held-out top-1 "
               f"per step {' '.join(f'{x:.3f}' for x in ev.step_top1)}, accepted length {ev.accepted_length:.2f}")
 
