@@ -135,3 +135,21 @@ def test_reexport_from_the_ids_gives_the_runtimes_features(made, model_path, tmp
             assert np.linalg.norm(a.hidden[:n].astype(np.float32) - kept) / np.linalg.norm(kept) < 0.08
     again = reexport_features(out, model_path, tmp_path / "f", TAPS, threads=1, progress=False)  # nothing left to do
     assert [s.file for s in again.shards] == [s.file for s in m.shards]
+
+
+def test_shards_split_the_selection_and_keep_their_own_resume_point(made, model_path, source, tmp_path):
+    """--shard i/N parts take every N-th conversation: disjoint, together the unsharded corpus's
+    conversations with the same answers, each in its own folder that another shard cannot resume."""
+    from converters.corpus import CorpusError
+
+    whole, _ = made
+    parts = [generate_corpus(config(model_path, source, tmp_path / f"p{i}", shard=(i, 2), turns=1), progress=False)
+             for i in range(2)]
+    assert all(p["options"]["shard"] == [i, 2] for i, p in enumerate(parts))
+    assert sum(p["counts"]["conversations"] for p in parts) == 8
+    prompt = lambda s: tuple(s.input_ids[: int(s.loss_mask.argmax())])  # noqa: E731  (up to the first answer)
+    got = [prompt(s) for i in range(2) for s in iter_sequences(tmp_path / f"p{i}" / "features")]
+    want = [prompt(s) for s in iter_sequences(whole / "features")]
+    assert len(set(got)) == len(got) and set(got) == set(want)  # the same first prompts, each once
+    with pytest.raises(CorpusError, match="other settings"):
+        generate_corpus(config(model_path, source, tmp_path / "p0", shard=(1, 2), turns=1), progress=False)
