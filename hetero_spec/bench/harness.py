@@ -89,6 +89,9 @@ register(Method("plain", "hetero-spec without a draft (same runtime, k = 0)",
                 lambda c: c.hetero_run(draft_len=0)))
 register(Method("chain", "hetero-spec chain drafting, k drafts per round",
                 lambda c: c.hetero_run(draft_len=c.target.k), needs_draft=True, speculative=True))
+for _k in range(1, 9):  # a fixed chain length each, so one interleaved run can sweep k (--methods chain-k1,chain-k2,...)
+    register(Method(f"chain-k{_k}", f"hetero-spec chain drafting, {_k} drafts per round",
+                    lambda c, k=_k: c.hetero_run(draft_len=k), needs_draft=True, speculative=True))
 register(Method("auto", "hetero-spec --draft-len auto: draft-model or prompt-lookup chain sized per round from "
                         "the cost curve, measured round costs and acceptance",
                 lambda c: c.hetero_run(draft_len="auto"), needs_draft=True, speculative=True))

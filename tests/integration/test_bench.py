@@ -15,7 +15,7 @@ from hetero_spec.target.llama_target import default_threads
 from tests.conftest import bench_prompts
 
 CLI = [sys.executable, "-m", "hetero_spec"]
-METHOD_NAMES = ("raw", "llama-cpp", "prompt-lookup", "plain", "chain", "tree", "auto")
+METHOD_NAMES = ("raw", "llama-cpp", "prompt-lookup", "plain", "chain", "chain-k1", "tree", "auto")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -50,7 +50,7 @@ def test_every_method_ran_on_every_prompt(result):
 def test_hetero_spec_and_high_level_api_match_raw(result):
     """Lossless greedy speculation, and the same kernels on every path (flash attention aligned)."""
     for r in result.records:
-        if r.method in ("plain", "chain", "tree", "auto", "llama-cpp"):
+        if r.method in ("plain", "chain", "chain-k1", "tree", "auto", "llama-cpp"):
             texts = {o.method: o.text for o in result.records if o.dataset == r.dataset}
             assert r.equal, f"{r.method} differs from raw on {r.dataset}: {texts}"
         if r.equal and r.method != "raw":
@@ -58,8 +58,8 @@ def test_hetero_spec_and_high_level_api_match_raw(result):
 
 
 def test_speculative_records_carry_rounds_and_split(result):
-    for r in (r for r in result.records if r.method in ("chain", "tree")):
-        bound = 3 if r.method == "chain" else 6  # k, or the tree depth
+    for r in (r for r in result.records if r.method in ("chain", "chain-k1", "tree")):
+        bound = {"chain": 3, "chain-k1": 1}.get(r.method, 6)  # k, or the tree depth
         assert r.stats["rounds"] >= 1 and r.accepted and all(0 <= a <= bound for a in r.accepted)
         assert r.stats["bytes_to_draft"] > 0 and r.prefill_s is not None and 0 < r.prefill_s < r.wall_s
     rows = {(s["method"], s["dataset"]): s for s in summarize(result)}
