@@ -171,6 +171,9 @@ def train(
             out_of_time = cfg.time_budget_s and state["train_s"] >= cfg.time_budget_s
             if rank == 0 and cfg.eval_every and state["step"] % cfg.eval_every == 0 and split.held_out:
                 _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
+                # the draft so far, usable (bench, run) while training goes on; the end replaces it
+                save_draft(model, work / "latest.safetensors", dtype=torch.bfloat16,
+                           extra={"hetero_spec.training": json.dumps({"partial": True, "steps": state["step"]})})
             if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time):
                 _save_checkpoint(ckpt, model, opt, state)
             if state["step"] >= total or out_of_time:

@@ -18,7 +18,8 @@ from tests.conftest import bench_prompts
 from tests.feature_builder import build_features
 
 BASE = TrainConfig(variant="darter", n_blocks=1, reduced_vocab=512, epochs=100, lr=3e-3, warmup_steps=5,
-                   batch_tokens=1024, unroll_steps=2, held_out=0.2, checkpoint_every=5, threads=1, seed=3)
+                   batch_tokens=1024, unroll_steps=2, chain_sample=0.5, held_out=0.2, checkpoint_every=5, threads=1,
+                   seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,9 @@ def run(cfg, features, out, parts, resume=False):
 
 def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, parts, tmp_path):
     out = tmp_path / "d.safetensors"
-    summary = run(replace(BASE, max_steps=40), features, out, parts)
+    summary = run(replace(BASE, max_steps=40, eval_every=20), features, out, parts)
     history = json.loads((tmp_path / "d.train" / "history.json").read_text())
+    assert {20, 40} <= {h["step"] for h in history if "eval" in h}
     losses = [h["loss"] for h in history if "loss" in h]
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     assert (tmp_path / "d.train" / "training.png").stat().st_size > 1000
@@ -52,7 +54,11 @@ def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, part
     with safe_open(str(out), "pt") as fh:
         meta = json.loads(fh.metadata()["hetero_spec.training"])
     assert meta["steps"] == 40 and 0 < meta["vocab_coverage"] <= 1 and meta["eval"]["accepted_length"] >= 1.0
-    assert summary["steps"] == 40
+    assert summary["steps"] == 40 and 0 < summary["train_cpu_seconds"]
+    latest = tmp_path / "d.train" / "latest.safetensors"  # the draft as of the last evaluation
+    with safe_open(str(latest), "pt") as fh:
+        assert json.loads(fh.metadata()["hetero_spec.training"]) == {"partial": True, "steps": 40}
+    assert load_draft(latest, parts[0]).cfg == draft.cfg
 
 
 def test_resume_continues_from_the_checkpoint(features, parts, tmp_path):
