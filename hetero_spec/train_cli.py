@@ -45,6 +45,9 @@ def _target_parts(model: Path):
 @click.option("--epochs", default=4, show_default=True, type=click.IntRange(1))
 @click.option("--max-steps", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--time-budget", default=0.0, show_default=True, help="minutes of training, then save and stop")
+@click.option("--budget-clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
+              help="what --time-budget counts: wall time of the steps, or their CPU time per thread (a shared "
+                   "machine does not shrink a cpu budget's work)")
 @click.option("--lr", default=1e-3, show_default=True)
 @click.option("--batch-tokens", default=4096, show_default=True)
 @click.option("--grad-accum", default=1, show_default=True)
@@ -65,9 +68,9 @@ def _target_parts(model: Path):
 @click.option("--init-from-target", is_flag=True,
               help="start the draft's last block from the target's last block (dequantized from the GGUF)")
 @click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
-def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab, epochs, max_steps, time_budget, lr,
-          batch_tokens, grad_accum, unroll, chain_sample, noise, max_len, seed, device, threads, precision, eval_every,
-          checkpoint_every, resume, init_from_target, loss_weights) -> None:
+def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab, epochs, max_steps, time_budget,
+          budget_clock, lr, batch_tokens, grad_accum, unroll, chain_sample, noise, max_len, seed, device, threads,
+          precision, eval_every, checkpoint_every, resume, init_from_target, loss_weights) -> None:
     """Distil a draft for MODEL from exported FEATURES folders (see export-features); several folders
     (say self-distilled and plain data) train together."""
     from .train.loop import TrainConfig
@@ -86,11 +89,11 @@ def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab,
     except (ValueError, TypeError) as exc:
         raise HeteroSpecError(f"bad --loss-weights: {exc}") from None
     cfg = TrainConfig(variant=variant, taps=tap_list, hole_prob=hole_prob, n_blocks=blocks, reduced_vocab=reduced_vocab,
-                      epochs=epochs,
-                      max_steps=max_steps, time_budget_s=time_budget * 60, lr=lr, batch_tokens=batch_tokens,
-                      grad_accum=grad_accum, unroll_steps=unroll, chain_sample=chain_sample, noise=noise, max_len=max_len, seed=seed,
-                      device=device, threads=threads, precision=precision, loss=weights,
-                      init_from_target=init_from_target, eval_every=eval_every, checkpoint_every=checkpoint_every)
+                      epochs=epochs, max_steps=max_steps, time_budget_s=time_budget * 60, budget_clock=budget_clock,
+                      lr=lr, batch_tokens=batch_tokens, grad_accum=grad_accum, unroll_steps=unroll,
+                      chain_sample=chain_sample, noise=noise, max_len=max_len, seed=seed, device=device,
+                      threads=threads, precision=precision, loss=weights, init_from_target=init_from_target,
+                      eval_every=eval_every, checkpoint_every=checkpoint_every)
     fp, emb, head = _target_parts(model)
     init_block = None
     if init_from_target:

@@ -136,3 +136,12 @@ def test_selected_queries_and_sampled_chains_equal_the_full_unrolled_pass(varian
             rows = p.pos[b][p.live[b]]
             assert rows.tolist() == want[b].nonzero().flatten().tolist()
             torch.testing.assert_close(p.features[b][p.live[b]], f.features[b, rows], rtol=1e-4, atol=1e-5)
+
+
+def test_a_cpu_budget_counts_cpu_seconds_per_thread_not_wall_time():
+    """On a shared machine the wall clock runs while a run waits for a core; a cpu budget does not."""
+    from hetero_spec.train.loop import TrainConfig, _spent
+
+    state = {"train_s": 100.0, "cpu_s": 30.0 * torch.get_num_threads()}
+    assert _spent(state, TrainConfig(budget_clock="wall")) == 100.0
+    assert _spent(state, TrainConfig(budget_clock="cpu")) == pytest.approx(30.0)
