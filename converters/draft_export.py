@@ -61,7 +61,10 @@ def eagle3_state(state: dict[str, torch.Tensor], cfg: DraftConfig, target_head: 
                  ) -> dict[str, torch.Tensor]:
     """Our tensors -> EAGLE-3 names.  ``target_head`` [n_vocab, n_embd] float32 supplies ``lm_head`` rows
     for a reduced vocabulary without an own head."""
-    out = {"fc.weight": state["tap_fc.weight"], "norm.weight": state["norm.weight"],
+    fc = state["tap_fc.weight"]
+    if "tap_scale" in state:  # our fixed input scale folds into EAGLE-3's fc exactly: W diag(s)
+        fc = (fc.float() * state["tap_scale"].float()[None, :]).to(fc.dtype)
+    out = {"fc.weight": fc, "norm.weight": state["norm.weight"],
            "midlayer.input_layernorm.weight": state["fusion.emb_norm.weight"],
            "midlayer.hidden_norm.weight": state["fusion.hidden_norm.weight"]}
     out |= {"midlayer." + k: v for k, v in block_to_hf(state, "blocks.0.", cfg).items()}

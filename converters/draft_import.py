@@ -255,6 +255,8 @@ def _build(src: _Source, cfg_kw: dict, state: dict[str, torch.Tensor]):
         raise DraftError(f"{src.name}: {exc}") from None
     model = DraftModel(cfg)
     floats = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if cfg.taps:  # public EAGLE-3 heads read the taps unscaled (any scale is already in their fc)
+        floats.setdefault("tap_scale", torch.ones(len(cfg.taps) * cfg.n_embd))
     try:
         model.load_state_dict(floats, strict=True)
     except RuntimeError as exc:

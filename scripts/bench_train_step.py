@@ -17,7 +17,7 @@ import torch
 
 from hetero_spec.draft.model import DraftModel, init_weights
 from hetero_spec.train.data import choose_vocab, collate, load_split, make_batches
-from hetero_spec.train.loop import TrainConfig, _batch_loss, _draft_config, _feature_rms, _Unrolled
+from hetero_spec.train.loop import TrainConfig, _batch_loss, _draft_config, _feature_rms, _Unrolled, tap_scale_for
 from hetero_spec.train.losses import LossWeights
 from hetero_spec.train_cli import _target_parts
 
@@ -55,6 +55,8 @@ def main() -> None:
         m.attach_target_weights(emb, head)
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
         rms, run = _feature_rms(split.train, cfg.taps), _Unrolled(m, cfg.unroll_steps)
+        if cfg.taps:
+            m.tap_scale.copy_(tap_scale_for(rms))
         times = []
         for idx, h in zip(batches, holes):
             b = collate([split.train[i] for i in idx], cfg.taps, h)

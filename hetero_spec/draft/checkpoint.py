@@ -69,6 +69,7 @@ def load_draft(path: str | Path, target: TargetFingerprint | None = None) -> Dra
     except (SafetensorError, OSError, ValueError) as exc:
         raise DraftError(f"{path.name} is truncated or corrupt ({_first_line(exc)})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "tap_scale"]  # drafts from before the tap scale: ones (no scale)
     if missing or unexpected:
         raise DraftError(f"{path.name} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model

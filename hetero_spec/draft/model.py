@@ -191,6 +191,15 @@ class DraftModel(nn.Module):
         self.cfg = cfg
         # EAGLE-3's fc: the concatenated target taps -> g (absent without taps)
         self.tap_fc = nn.Linear(len(cfg.taps) * cfg.n_embd, cfg.hidden_size, bias=False) if cfg.taps else None
+        if cfg.taps:
+            # [n_in] fixed per-channel input scale, 1 / RMS of each tap channel on the training data (train
+            # sets it; ones for imported heads).  WHY: the residual stream of middle and high blocks carries
+            # "massive activations": on SmolLM2 one channel of blocks 15 and 27 has an RMS of about 1,200
+            # (peaks of 22,000) where the median channel's is 3-13.  Unscaled, those few channels dominate
+            # tap_fc's output at initialisation, and every Adam step (about lr per weight) moves their
+            # contribution by lr x 1,200, a standing noise on g.  A fixed scale folds into tap_fc's weight
+            # exactly on export.
+            self.register_buffer("tap_scale", torch.ones(len(cfg.taps) * cfg.n_embd))
         self.fusion = FUSIONS[cfg.fusion](cfg)
         wide = cfg.n_embd + cfg.hidden_size if cfg.fusion == "eagle3" else None
         self.blocks = nn.ModuleList(
@@ -226,7 +235,7 @@ class DraftModel(nn.Module):
 
     def real_input(self, features: torch.Tensor) -> torch.Tensor:
         """The target's rows [.., n_in] (f_t, or the concatenated taps) -> g [.., feature_size]."""
-        return self.tap_fc(features) if self.tap_fc is not None else features
+        return self.tap_fc(features * self.tap_scale.to(features.dtype)) if self.tap_fc is not None else features
 
     def drafted_input(self, prenorm: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
         """g at a drafted position, from the step before it: its pre-norm state x (taps, as EAGLE-3)

@@ -139,7 +139,9 @@ def train(
     runner = _Unrolled(model, cfg.unroll_steps)
     if world > 1:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
-    feat_rms = _feature_rms(split.train, cfg.taps)
+    feat_rms = _feature_rms(split.train, cfg.taps).to(device)
+    if cfg.taps and not (resume and ckpt.exists()):  # a resumed run keeps the scale it was trained with
+        model.tap_scale.copy_(tap_scale_for(feat_rms))
     held_targets: dict[int, torch.Tensor] = {}  # the target's argmax per held-out batch (evaluate)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
     done = state["step"] >= total
@@ -209,15 +211,16 @@ def train(
     return summary
 
 
-def _batch_loss(runner, model: DraftModel, batch: Batch, cfg: TrainConfig, feat_rms: float,
+def _batch_loss(runner, model: DraftModel, batch: Batch, cfg: TrainConfig, feat_rms: torch.Tensor | None,
                 bf16: bool = False):
-    """runner: the (possibly DDP-wrapped) unrolled forward; feat_rms > 0 adds input noise; ``bf16``
+    """runner: the (possibly DDP-wrapped) unrolled forward; ``feat_rms`` [n_in] (the inputs' per-channel
+    RMS) adds noise of ``cfg.noise`` times each channel's RMS, None none; ``bf16``
     autocasts the forward and the head matmuls of the losses (autocast keeps softmaxes in fp32).
 
     Only scored rows are computed (``unroll.py``): step 0 where x_{s+2} is an answer token, and the
     unrolled steps from a ``cfg.chain_sample`` share of those chain starts."""
     inputs = batch.inputs
-    if feat_rms > 0 and cfg.noise > 0:
+    if feat_rms is not None and cfg.noise > 0:
         inputs = inputs + torch.randn_like(inputs) * (cfg.noise * feat_rms)
     T = batch.ids.shape[1]
     pos = torch.arange(T, device=inputs.device)
@@ -277,7 +280,7 @@ def evaluate(model: DraftModel, seqs, cfg: TrainConfig, device, full_head: torch
         T = batch.ids.shape[1]
         pos = torch.arange(T, device=device)
         steps = unrolled_forward(model, batch.inputs, batch.next_tokens, batch.valid, k)
-        loss, _, _, _ = _batch_loss(_Unrolled(model, 1), model, batch, cfg, 0.0)
+        loss, _, _, _ = _batch_loss(_Unrolled(model, 1), model, batch, cfg, None)
         losses.append(loss.item())
         if n not in targets:
             targets[n] = _argmax_rows(batch.features, head)  # [B, T]: the target's x_{t+1} after f_t
@@ -390,11 +393,18 @@ def _warmup_cosine(warmup: int, total: int, time_budget_s: float):
     return f
 
 
-def _feature_rms(seqs, taps: tuple[int, ...] = ()) -> float:
-    """RMS of what the draft reads (the final hidden state, or the taps) over a sample."""
-    rows = [s.extras[k][:64] for s in seqs[:256] for k in tap_keys(taps)] if taps else [s.hidden[:64] for s in seqs[:256]]
-    sample = np.concatenate(rows).astype(np.float32)
-    return float(np.sqrt((sample**2).mean()))
+def _feature_rms(seqs, taps: tuple[int, ...] = ()) -> torch.Tensor:
+    """[n_in] per-channel RMS of what the draft reads (the final hidden state, or the taps side by side) over
+    a sample.  Per channel, because the taps' channels span four orders of magnitude (massive activations)."""
+    sample = [np.concatenate([s.extras[k][:64] for k in tap_keys(taps)], axis=1) if taps else s.hidden[:64]
+              for s in seqs[:256]]
+    rows = np.concatenate(sample).astype(np.float32)
+    return torch.from_numpy(np.sqrt((rows**2).mean(axis=0)))
+
+
+def tap_scale_for(rms: torch.Tensor) -> torch.Tensor:
+    """1 / RMS per channel, rounded to a power of two (exact in bf16 and in any weight it folds into)."""
+    return torch.exp2(-torch.round(torch.log2(rms.clamp_min(1e-3))))
 
 
 def _seed_everything(seed: int) -> None:

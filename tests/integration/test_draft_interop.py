@@ -43,6 +43,8 @@ def perturb(path: Path, seed: int) -> Path:
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(p * 5 if p.dim() > 1 else 1 + 0.3 * torch.randn(p.shape, generator=g))
+        if m.cfg.taps:  # a trained draft's input scale: powers of two, per channel
+            m.tap_scale.copy_(torch.exp2(torch.randint(-6, 2, m.tap_scale.shape, generator=g).float()))
     save_draft(m, path)
     return path
 
@@ -99,7 +101,10 @@ def test_export_import_round_trip_is_identical(eagle3_draft, eagle3_hf, model_pa
     assert a.cfg == b.cfg
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
-    for k in sa:
+    # the input scale went into EAGLE-3's fc: W diag(s), exact for powers of two
+    assert torch.equal(sb["tap_scale"], torch.ones_like(sa["tap_scale"])) and not torch.equal(sa["tap_scale"], sb["tap_scale"])
+    assert torch.equal(sb["tap_fc.weight"], sa["tap_fc.weight"] * sa["tap_scale"][None, :])
+    for k in sa.keys() - {"tap_scale", "tap_fc.weight"}:
         assert torch.equal(sa[k], sb[k]), k
     feats, ids = tap_rows
     n = len(ids)

@@ -110,6 +110,6 @@ def test_bf16_autocast_changes_the_arithmetic_but_not_the_loss_materially(featur
     model.d2t = d2t
     model.attach_target_weights(emb, head)
     batch = collate(split.train[:3])
-    losses = [_batch_loss(_Unrolled(model, 2), model, batch, BASE, 0.0, bf16)[0].item() for bf16 in (False, True)]
+    losses = [_batch_loss(_Unrolled(model, 2), model, batch, BASE, None, bf16)[0].item() for bf16 in (False, True)]
     assert losses[0] != losses[1]
     assert abs(losses[0] - losses[1]) < 0.02 * abs(losses[0])
