@@ -137,7 +137,7 @@ class DraftBlock(nn.Module):
             xn = attn_in
         else:
             xn = self.attn_norm(x) if self.attn_norm is not None else x
-        q, k, v = self.qkv(xn).view(B, T, -1, self.hd).transpose(1, 2).split(
+        q, k, v = self.qkv(xn).view(B, T, self.n_heads + 2 * self.n_kv, self.hd).transpose(1, 2).split(
             (self.n_heads, self.n_kv, self.n_kv), dim=1
         )
         log_gate = None

@@ -101,6 +101,8 @@ def unrolled_forward(
         x, pred = _rows(x, to_chain), _rows(pred, to_chain)
     else:
         c_pos, c_live = q_pos, q_live
+    if c_pos.shape[1] == 0:  # a sampled batch may continue no chain at all
+        return outputs
     chain_keys: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in model.blocks]
     bias_c = _rows(base_bias[:, 0], c_pos)[:, None]  # [B, 1, C, T]
     for j in range(1, steps):

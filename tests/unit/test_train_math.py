@@ -138,6 +138,26 @@ def test_selected_queries_and_sampled_chains_equal_the_full_unrolled_pass(varian
             torch.testing.assert_close(p.features[b][p.live[b]], f.features[b, rows], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("empty", ["chains", "queries"])
+def test_a_batch_that_continues_no_chain_trains_step_zero_only(variant, empty):
+    """A sampled chain selection can be empty (a short batch, --chain-sample 0.33): the pass then stops
+    after step 0 instead of failing on zero rows (it did, at step 302 of a real run), and its loss is finite."""
+    cfg = VARIANTS[variant]
+    m = make_model(cfg)
+    B, T = 1, 10
+    feats = torch.randn(B, T, cfg.input_size)
+    ids = torch.randint(0, V, (B, T))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    queries = torch.zeros(B, T, dtype=torch.bool) if empty == "queries" else torch.rand(B, T) < 0.7
+    chains = torch.zeros(B, T, dtype=torch.bool)
+    out = unrolled_forward(m, feats, ids, valid, 3, None, queries, chains)
+    assert len(out) == 1 and int(out[0].live.sum()) == int(queries.sum())
+    target = torch.randn(B, out[0].features.shape[1], D)
+    loss = step_loss(out[0].features, target, out[0].live, m.head, LossWeights())
+    assert torch.isfinite(loss.total)
+
+
 def test_a_cpu_budget_counts_cpu_seconds_per_thread_not_wall_time():
     """On a shared machine the wall clock runs while a run waits for a core; a cpu budget does not."""
     from hetero_spec.train.loop import TrainConfig, _spent
