@@ -6,6 +6,8 @@ head from the GGUF and hands them over as tensors.
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,6 +108,10 @@ def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab,
     summary = run_training(cfg, list(features), out, embedding=emb, head=head, fingerprint=fp, resume=resume,
                            init_block=init_block)
     click.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    if summary.get("stopped_by"):
+        click.echo(f"stopped by {summary['stopped_by']} after step {summary['steps']}: {out} holds the draft so far; "
+                   f"add --resume to continue from its checkpoint", err=True)
+        sys.exit(128 + signal.Signals[summary["stopped_by"]].value)  # the shell's convention for a signalled stop
 
 
 @click.command("analyze-attention")

@@ -27,6 +27,7 @@ from ..errors import HeteroSpecError
 from ..features import read_manifest
 from .data import Batch, choose_vocab, collate, load_split, make_batches, tap_keys
 from .losses import LossWeights, gate_regularization, step_loss
+from .stop import StopRequest
 from .unroll import unrolled_forward
 
 
@@ -145,67 +146,69 @@ def train(
     held_targets: dict[int, torch.Tensor] = {}  # the target's argmax per held-out batch (evaluate)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
     done = state["step"] >= total
-    while not done:
-        batches = make_batches(split.train, cfg.batch_tokens, cfg.seed, state["epoch"])[rank::world]
-        for bi in range(state["batch_in_epoch"], len(batches) - len(batches) % cfg.grad_accum, cfg.grad_accum):
-            t0, c0 = time.perf_counter(), time.process_time()
-            opt.zero_grad(set_to_none=True)
-            agg = {"loss": 0.0, "correct": 0, "count": 0}
-            for a in range(cfg.grad_accum):
-                idx = batches[bi + a]
-                batch = collate([split.train[i] for i in idx], cfg.taps, np.random.random(len(idx)) < cfg.hole_prob)
-                batch = batch.to(device)
-                loss, correct, count, parts = _batch_loss(runner, model, batch, cfg, feat_rms, autocast_bf16)
-                (loss / cfg.grad_accum).backward()
-                agg["loss"] += loss.item() / cfg.grad_accum
-                agg["correct"] += correct
-                agg["count"] += count
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-            lr = cfg.lr * lr_at(state["step"], _spent(state, cfg))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            state["step"] += 1
-            state["batch_in_epoch"] = bi + cfg.grad_accum
-            state["train_s"] += time.perf_counter() - t0
-            # CPU seconds of the steps (all threads): on a shared machine the wall clock overstates the work
-            state["cpu_s"] = state.get("cpu_s", 0.0) + time.process_time() - c0
-            acc = agg["correct"] / max(1, agg["count"])
-            state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
-            bar.update(1)
-            bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
-            out_of_time = cfg.time_budget_s and _spent(state, cfg) >= cfg.time_budget_s
-            if rank == 0 and cfg.eval_every and state["step"] % cfg.eval_every == 0 and split.held_out:
-                _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
-                # the draft so far, usable (bench, run) while training goes on; the end replaces it
-                save_draft(model, work / "latest.safetensors", dtype=torch.bfloat16,
-                           extra={"hetero_spec.training": json.dumps({"partial": True, "steps": state["step"]})})
-            if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time):
-                _save_checkpoint(ckpt, model, opt, state)
-            if state["step"] >= total or out_of_time:
-                done = True
-                break
-        else:
-            state["epoch"] += 1
-            state["batch_in_epoch"] = 0
-            if rank == 0 and split.held_out:
-                _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
-    bar.close()
-    summary = {}
-    if rank == 0:
-        _save_checkpoint(ckpt, model, opt, state)
-        ev = evaluate(model, split.held_out, cfg, device, head, held_targets) if split.held_out else None
-        summary = {
-            "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
-            "train_seconds": round(state["train_s"], 1), "train_cpu_seconds": round(state.get("cpu_s", 0.0), 1),
-            "train_sequences": len(split.train),
-            "train_tokens": int(sum(len(s) for s in split.train)),
-            "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
-            "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
-        }
-        save_draft(model, out, extra={"hetero_spec.training": json.dumps(summary)}, dtype=torch.bfloat16)
-        (work / "history.json").write_text(json.dumps(state["history"]))
-        _plot_history(state["history"], work / "training.png")
+    with StopRequest(enabled=world == 1) as stop:  # Ctrl-C / SIGTERM: finish the step, save, export
+        while not done:
+            batches = make_batches(split.train, cfg.batch_tokens, cfg.seed, state["epoch"])[rank::world]
+            for bi in range(state["batch_in_epoch"], len(batches) - len(batches) % cfg.grad_accum, cfg.grad_accum):
+                t0, c0 = time.perf_counter(), time.process_time()
+                opt.zero_grad(set_to_none=True)
+                agg = {"loss": 0.0, "correct": 0, "count": 0}
+                for a in range(cfg.grad_accum):
+                    idx = batches[bi + a]
+                    batch = collate([split.train[i] for i in idx], cfg.taps, np.random.random(len(idx)) < cfg.hole_prob)
+                    batch = batch.to(device)
+                    loss, correct, count, parts = _batch_loss(runner, model, batch, cfg, feat_rms, autocast_bf16)
+                    (loss / cfg.grad_accum).backward()
+                    agg["loss"] += loss.item() / cfg.grad_accum
+                    agg["correct"] += correct
+                    agg["count"] += count
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                lr = cfg.lr * lr_at(state["step"], _spent(state, cfg))
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                state["step"] += 1
+                state["batch_in_epoch"] = bi + cfg.grad_accum
+                state["train_s"] += time.perf_counter() - t0
+                # CPU seconds of the steps (all threads): on a shared machine the wall clock overstates the work
+                state["cpu_s"] = state.get("cpu_s", 0.0) + time.process_time() - c0
+                acc = agg["correct"] / max(1, agg["count"])
+                state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
+                bar.update(1)
+                bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
+                out_of_time = cfg.time_budget_s and _spent(state, cfg) >= cfg.time_budget_s
+                if rank == 0 and cfg.eval_every and state["step"] % cfg.eval_every == 0 and split.held_out:
+                    _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
+                    # the draft so far, usable (bench, run) while training goes on; the end replaces it
+                    save_draft(model, work / "latest.safetensors", dtype=torch.bfloat16,
+                               extra={"hetero_spec.training": json.dumps({"partial": True, "steps": state["step"]})})
+                if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time or stop.requested):
+                    _save_checkpoint(ckpt, model, opt, state)
+                if state["step"] >= total or out_of_time or stop.requested:
+                    done = True
+                    break
+            else:
+                state["epoch"] += 1
+                state["batch_in_epoch"] = 0
+                if rank == 0 and split.held_out:
+                    _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
+        bar.close()
+        summary = {}
+        if rank == 0:
+            _save_checkpoint(ckpt, model, opt, state)
+            ev = evaluate(model, split.held_out, cfg, device, head, held_targets) if split.held_out else None
+            summary = {
+                "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
+                "stopped_by": stop.signal_name or None,
+                "train_seconds": round(state["train_s"], 1), "train_cpu_seconds": round(state.get("cpu_s", 0.0), 1),
+                "train_sequences": len(split.train),
+                "train_tokens": int(sum(len(s) for s in split.train)),
+                "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
+                "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
+            }
+            save_draft(model, out, extra={"hetero_spec.training": json.dumps(summary)}, dtype=torch.bfloat16)
+            (work / "history.json").write_text(json.dumps(state["history"]))
+            _plot_history(state["history"], work / "training.png")
     if world > 1:
         torch.distributed.destroy_process_group()
     return summary

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -72,6 +74,31 @@ def test_resume_continues_from_the_checkpoint(features, parts, tmp_path):
     a, b = load_draft(straight), load_draft(split)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, msg=name)
+
+
+def test_sigterm_stops_the_cli_at_a_step_boundary_with_a_checkpoint_and_a_draft(features, parts, model_path, tmp_path):
+    out = tmp_path / "d.safetensors"
+    ckpt = tmp_path / "d.train" / "checkpoint.pt"
+    proc = subprocess.Popen([sys.executable, "-m", "hetero_spec", "train", str(features), "--target", str(model_path),
+                             "--out", str(out), "--blocks", "1", "--reduced-vocab", "512", "--batch-tokens", "1024",
+                             "--unroll", "2", "--max-steps", "100000", "--checkpoint-every", "1", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ckpt.exists(), proc.communicate(timeout=5)[1] if proc.poll() is not None else "no step in 300 s"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
+    assert "stopped by SIGTERM after step" in err and "--resume" in err
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as fh:
+        meta = json.loads(fh.metadata()["hetero_spec.training"])
+    assert meta["stopped_by"] == "SIGTERM" and 1 <= meta["steps"] < 100000
+    assert torch.load(ckpt, weights_only=False)["state"]["step"] == meta["steps"]  # nothing trained past the save
+    summary = run(replace(BASE, max_steps=meta["steps"] + 2), features, out, parts, resume=True)
+    assert summary["steps"] == meta["steps"] + 2 and summary["stopped_by"] is None
 
 
 def test_features_from_another_target_are_refused(features, parts, tmp_path):
