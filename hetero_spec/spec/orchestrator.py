@@ -118,6 +118,7 @@ class Policy(Protocol):
     def observe_shadow(self, source: str, p_accept: float) -> None: ...
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None: ...
     def expects_drafting(self) -> bool: ...
+    def wants_rows(self, within: int) -> bool: ...
 
 
 def generate_tokens(
@@ -222,13 +223,13 @@ def _tree_round(
         depth = max(0, min(shape.depth, len(offered), left - 1, room_target))
         if depth:
             return _lookup_round(target, x, offered, depth, pending, policy, sampling, rng, left, t0)
-        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered)
+        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered, draft)
     room_draft = draft.max_positions - draft.n - len(pending.next_tokens)
     depth = max(0, min(shape.depth, left - 1))
     total = max(0, min(shape.tokens, room_target, room_draft))
     m = len(pending.next_tokens)
     if depth == 0 or total == 0 or m == 0:  # m = 0: a lazy prefill gave the draft nothing to start from yet
-        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered)
+        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered, draft)
     if shape.probe and shape.width == 1 and sampling.greedy:
         return _shadow_probe_round(target, draft, x, pending, policy, sampling, rng, left, offered)
     pending.trim(draft)
@@ -262,6 +263,7 @@ def _verify_tree(target, tree: Tree, q_at, sampling: SamplingConfig, rng: np.ran
 
     ``q_at(node)``: the distribution the node's children were drawn from (sampling only).
     Returns (accepted nodes, next token, rows kept, their hidden states (a copy), verify seconds)."""
+    target.set_embeddings(True)  # every row an output; plain rounds may have turned it off
     tv = time.perf_counter()
     logits, hidden = target.verify_tree(tree.tokens, tree.depth, tree.seq_ids)
     verify_s = time.perf_counter() - tv
@@ -322,25 +324,35 @@ def _shadow_probe_round(target, draft, x: int, pending: _Pending, policy: Policy
     draft_s = time.perf_counter() - td
     consumed = _Pending([pending.features[:0]], [])  # the draft holds these rows now
     step, nxt, new_pending = _undrafted_round(target, x, consumed, policy, sampling, rng, left, time.perf_counter(),
-                                              offered)
+                                              offered, draft)
     policy.observe(1, int(nxt == guess))
     rnd = replace(step.round, draft_s=draft_s, bytes_to_draft=pending.bytes_to_draft())
     return Step(step.tokens, rnd, step.stop_reason), nxt, new_pending
 
 
 def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
-                     rng: np.random.Generator, left: int, t0: float, offered: list[int] = ()) -> tuple[Step, int, _Pending]:
+                     rng: np.random.Generator, left: int, t0: float, offered: list[int] = (),
+                     draft: Draft | None = None) -> tuple[Step, int, _Pending]:
     """Depth 0 inside the speculative loop: one target row; the draft catches up on it later.
+
+    Unless the policy wants the row soon (``Policy.wants_rows``), the decode runs with embeddings
+    off, like plain decoding, and the draft skips the position and every row still pending (a hole
+    before them leaves them useless: the draft starts from the newest row).
 
     ``offered``: a prompt-lookup proposal nobody verified; its first token is checked against
     this row for free evidence for the lookup statistics (greedy: equal to the target's token;
     sampling: the probability that verification would have accepted it)."""
     n0 = target.n_past
+    target.set_embeddings(draft is None or policy.wants_rows(CATCHUP_ROWS))
     tv = time.perf_counter()
     logits, hidden = target.verify([x])
     verify_s = time.perf_counter() - tv
     nxt, p_offered = _pick_and_check(logits[0], sampling, rng, offered[0] if offered else None)
-    pending.add(hidden[:1], [nxt])
+    if hidden is None:
+        draft.skip(len(pending.next_tokens) + 1)
+        pending = _Pending([], [])
+    else:
+        pending.add(hidden[:1], [nxt])
     _check_kv(target, n0 + 1)
     if offered:
         policy.observe_shadow("lookup", p_offered)

@@ -202,6 +202,34 @@ def test_auto_output_equals_plain(hs, plain_outputs):
     assert hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len="auto").tokens == plain_outputs[p]
 
 
+def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_their_rows(hs, monkeypatch):
+    """A draft that never pays: auto decodes most plain rounds with embeddings off, like plain
+    decoding, turns them on CATCHUP_ROWS rounds before each probe so the probe has its rows,
+    and the output stays the plain one."""
+    from hetero_spec.calibration import CostCurve
+    from hetero_spec.spec.policy import AutoPolicy
+
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=128, draft_len=0).tokens
+    assert len(plain) == 128  # long enough for several probes
+    never_pays = CostCurve({n: 10.0 * n for n in range(1, 33)}, 5.0)  # t(2) = 2 t(1): one draft must be sure
+    draft = OracleTreeDraft(prompt + plain, error_rate=1.0)
+    probe_rows: list[int] = []
+    propose = draft.propose
+    monkeypatch.setattr(draft, "propose", lambda f, t, k: probe_rows.append(len(t)) or propose(f, t, k))
+    embeddings: list[bool] = []
+    verify = hs.target.verify
+    monkeypatch.setattr(hs.target, "verify", lambda t: embeddings.append(hs.target.embeddings) or verify(t))
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=128, draft_len=1,
+                                 policy=AutoPolicy(never_pays)))
+    assert [t for s in steps for t in s.tokens] == plain
+    assert len(probe_rows) >= 3 and all(m >= CATCHUP_ROWS - 1 for m in probe_rows)
+    assert 0.3 * len(embeddings) <= embeddings.count(False) < len(embeddings)
+    assert draft.n == hs.target.n_past  # the skipped positions are holes, the caches still line up
+
+
 #        0 (root)
 #       / \\
 #      1   2

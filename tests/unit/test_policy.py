@@ -95,6 +95,22 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     assert policy.choose().depth > 0 and policy.probe_gap == 4
 
 
+def test_plain_rounds_want_the_targets_rows_only_shortly_before_a_probe():
+    policy = AutoPolicy(curve(10.0, 3.0, 0.9), max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0)
+    for _ in range(50):
+        policy.observe(1, 0)
+    wanted = []
+    for _ in range(4 + 8 + 16 + 32):  # probes after 4, 8, 16 and 32 plain rounds
+        d = policy.choose().depth
+        wanted.append("p" if d else "+" if policy.wants_rows(3) else ".")
+        policy.observe(d, 0)
+    assert "".join(wanted) == "+++p" + "....+++p" + "............+++p" + "." * 28 + "+++p"
+    for _ in range(200):  # once drafting pays, every row is wanted
+        policy.stats.observe(4, 4)
+    policy._best_shape = None
+    assert policy.wants_rows(0)
+
+
 def test_measured_round_times_correct_the_curve():
     """Drafting that pays on the calibrated curve stops once drafted rounds are measured to cost
     twice what the curve says (plain rounds as modelled), and resumes when they cost as modelled."""
