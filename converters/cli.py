@@ -164,6 +164,30 @@ def generate_corpus(model, out_dir, source, limit, seed, turns, max_new_tokens, 
                f"dropped for bench overlap: {d['dropped_exact']} exact, {d['dropped_ngram8']} shared 8-gram")
 
 
+@click.command("make-prompts")
+@click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--n", "n", default=2000, show_default=True, type=click.IntRange(1), help="prompts to keep")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(0.0, min_open=True))
+@click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(4),
+              help="a request still going after this many tokens is dropped")
+@click.option("--system", default="", help="a system message before the user turn, to steer the topics")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+@_TEMPLATE_OPTION
+def make_prompts(model, out, n, seed, temperature, top_p, max_tokens, system, threads, template) -> None:
+    """Sample user prompts from the target itself (Magpie: its template up to a user's first words) into a
+    resumable ShareGPT-style JSONL for generate-corpus --source; rerun the same command to continue."""
+    from .self_prompts import PromptConfig, make_prompts as run, summary_line
+
+    if out.suffix != ".jsonl":
+        raise click.BadParameter("the prompts file must end in .jsonl", param_hint="OUT")
+    state = run(PromptConfig(model=model, out=out, n=n, seed=seed, temperature=temperature, top_p=top_p,
+                             max_tokens=max_tokens, system=system, template=template, threads=threads))
+    click.echo(summary_line(out, state))
+
+
 @click.command("export-draft")
 @click.argument("draft", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))

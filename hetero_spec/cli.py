@@ -186,6 +186,7 @@ EXTRA_COMMANDS: list[str] = [
     "converters.cli:export_features",
     "converters.cli:merge_features",
     "converters.cli:generate_corpus",
+    "converters.cli:make_prompts",
     "converters.cli:export_draft",
     "converters.cli:import_draft",
     "hetero_spec.train_cli:train",

@@ -1,0 +1,155 @@
+"""User prompts written by the target itself (Magpie), as a corpus source for `generate-corpus`.
+
+WHY: a draft learns what its target writes, and the prompts decide what that is.  ShareGPT's
+prompts are ChatGPT users' and leave whole kinds of request thin, and a user training a draft
+for their own model may have no dataset at all.  An instruction-tuned model given its chat
+template up to where a user's words start, and nothing else, writes a user's request from its
+own instruction distribution (Xu et al., 2024, "Magpie").  Sampled here, filtered, deduplicated,
+and written as ShareGPT-style JSONL, which `generate-corpus --source` answers greedily.
+
+Resumable: ``OUT.progress.json`` records the attempts made and the prompts kept; attempt i is
+sampled with its own seed, so a resumed run writes what an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from hetero_spec.errors import HeteroSpecError
+
+from .datasets import ChatRenderer
+
+_MARK = "\u2063HETERO_SPEC_QUERY\u2063"  # stands for the user's words while the template renders
+_WORD = re.compile(r"\w+")
+# where a base model (the plain template) ends a user's turn and starts the next speaker's
+PLAIN_STOPS = ("\n\nAssistant:", "\nAssistant:", "\n\nUser:")
+
+
+class PromptError(HeteroSpecError):
+    pass
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    model: Path
+    out: Path  # .jsonl
+    n: int  # prompts to keep
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_tokens: int = 128  # a request that does not end by then is dropped ("unfinished")
+    system: str = ""  # a system message before the user turn (steers the topic), "" = none
+    template: str = "gguf"
+    threads: int = 0
+
+    def recipe(self) -> dict:
+        """What must match for a resume to continue the same sequence of prompts."""
+        d = asdict(self)
+        d["model"] = Path(self.model).name
+        del d["out"], d["threads"], d["n"]
+        return d
+
+
+def query_prefix(renderer: ChatRenderer, system: str = "") -> str:
+    """The rendered conversation up to where a user's first words go."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _MARK}]
+    text = renderer.render(messages, generation_prompt=False)
+    if _MARK not in text:
+        raise PromptError("the chat template does not render the user's message verbatim; cannot find where it starts")
+    return text[: text.index(_MARK)]
+
+
+def rejection(text: str, finished: bool, seen: set[str]) -> str | None:
+    """Why a sampled request is not kept (None: keep it)."""
+    if not finished:
+        return "unfinished"
+    words = _WORD.findall(text.lower())
+    if len(words) < 3:
+        return "short"
+    if len(words) >= 12 and len(set(words)) < 0.4 * len(words):
+        return "repetitive"
+    if " ".join(words) in seen:
+        return "duplicate"
+    return None
+
+
+def make_prompts(cfg: PromptConfig, progress: bool = True) -> dict:
+    """Sample until ``cfg.n`` prompts are kept (or resume towards it); returns the progress record."""
+    from hetero_spec.api import HeteroSpec
+    from hetero_spec.config import SamplingConfig
+
+    out = Path(cfg.out)
+    state_path = out.with_name(out.name + ".progress.json")
+    state = _resume(cfg, out, state_path)
+    seen = {" ".join(_WORD.findall(json.loads(line)["conversations"][0]["value"].lower()))
+            for line in out.read_text().splitlines()} if out.exists() else set()
+    if state["kept"] >= cfg.n:
+        return state
+    with HeteroSpec(cfg.model, None, threads=cfg.threads) as hs:
+        renderer = ChatRenderer.for_target(hs.target, cfg.template)
+        prefix = renderer.tokenize(query_prefix(renderer, cfg.system))
+        stops = PLAIN_STOPS if cfg.template == "plain" else ()
+        bar = tqdm(total=cfg.n, initial=state["kept"], unit="prompt", disable=not progress, desc="sampling prompts")
+        with out.open("a") as fh:
+            while state["kept"] < cfg.n:
+                attempt = state["attempts"]
+                seed = int(np.random.SeedSequence([cfg.seed, attempt]).generate_state(1)[0])
+                sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+                hs.reset()  # the seed reproduces a draw only from an empty cache
+                done = hs.generate(prefix, max_new_tokens=cfg.max_tokens, draft_len=0, sampling=sampling,
+                                   stop=stops)
+                text = done.text.strip()
+                why = rejection(text, done.stats.stop_reason in ("eog", "stop_string"), seen)
+                state["attempts"] = attempt + 1
+                if why:
+                    state["dropped"][why] = state["dropped"].get(why, 0) + 1
+                else:
+                    seen.add(" ".join(_WORD.findall(text.lower())))
+                    record = {"id": f"self-{cfg.seed}-{attempt}", "conversations": [{"from": "human", "value": text}]}
+                    fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    state["kept"] += 1
+                    bar.update(1)
+                _write_state(state_path, state)
+                bar.set_postfix(attempts=state["attempts"])
+        bar.close()
+    return state
+
+
+def _resume(cfg: PromptConfig, out: Path, state_path: Path) -> dict:
+    """The saved progress (the JSONL cut back to the prompts it records), or a fresh start."""
+    if not state_path.exists():
+        if out.exists() and out.stat().st_size:
+            raise PromptError(f"{out} exists without {state_path.name}; choose a new file or remove it")
+        return {"recipe": cfg.recipe(), "attempts": 0, "kept": 0, "dropped": {}}
+    state = json.loads(state_path.read_text())
+    if state.get("recipe") != cfg.recipe():
+        diff = sorted(k for k in cfg.recipe() if state.get("recipe", {}).get(k) != cfg.recipe()[k])
+        raise PromptError(f"{out} was sampled with other settings ({', '.join(diff)}); use a new file to change them")
+    lines = out.read_text().splitlines(keepends=True) if out.exists() else []
+    if len(lines) < state["kept"]:
+        raise PromptError(f"{out} holds {len(lines)} prompts but its progress file records {state['kept']}")
+    if len(lines) > state["kept"] or (lines and not lines[-1].endswith("\n")):
+        out.write_text("".join(lines[: state["kept"]]))  # a line written just before the progress file: redone
+    return state
+
+
+def _write_state(path: Path, state: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
+
+
+def summary_line(out: Path, state: dict) -> str:
+    dropped = Counter(state["dropped"])
+    why = ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())) or "none"
+    return (f"{out}: {state['kept']} prompts from {state['attempts']} samples (dropped: {why}); "
+            f"answer them with: hetero-spec generate-corpus MODEL DIR --source {out} --turns 1")
