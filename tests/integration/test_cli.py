@@ -106,8 +106,11 @@ def test_bad_options_are_one_line(model_path, random_draft_path):
 
 
 def test_ctrl_c_stops_cleanly_with_partial_stats(model_path, random_draft_path):
+    # a shell that starts the test run with ``&`` leaves SIGINT ignored, and children inherit that; a
+    # terminal's Ctrl-C reaches a process whose SIGINT is at its default
     proc = subprocess.Popen([*CLI, "run", str(model_path), str(random_draft_path), "-p", "Write a long story.",
-                             "-n", "2000", "--ctx", "4096"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "-n", "2000", "--ctx", "4096"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(20)  # generation has started once text arrives
     assert first
     time.sleep(0.5)

@@ -227,7 +227,30 @@ def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_the
     assert [t for s in steps for t in s.tokens] == plain
     assert len(probe_rows) >= 3 and all(m >= CATCHUP_ROWS - 1 for m in probe_rows)
     assert 0.3 * len(embeddings) <= embeddings.count(False) < len(embeddings)
-    assert draft.n == hs.target.n_past  # the skipped positions are holes, the caches still line up
+    assert draft.n <= hs.target.n_past  # holes after the last probe are skipped only when the draft next runs
+    assert -1 in draft.cell_tokens[len(prompt):]  # plain rounds' positions became holes
+
+
+def test_a_full_draft_takes_no_more_holes_and_the_output_stays_plain(hs, monkeypatch):
+    """Plain rounds without embeddings skip the draft's positions; once its context is full they stop."""
+    from hetero_spec.calibration import CostCurve
+    from hetero_spec.spec.policy import AutoPolicy
+
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=96, draft_len=0).tokens
+    draft = OracleTreeDraft(prompt + plain, error_rate=1.0, max_positions=len(prompt) + 40)
+    skip = draft.skip
+
+    def bounded_skip(n: int) -> None:
+        assert draft.n + n <= draft.max_positions, "skipped past the draft's context"
+        skip(n)
+
+    monkeypatch.setattr(draft, "skip", bounded_skip)
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=96, draft_len=1,
+                                 policy=AutoPolicy(CostCurve({n: 10.0 * n for n in range(1, 33)}, 5.0))))
+    assert [t for s in steps for t in s.tokens] == plain and draft.n <= draft.max_positions
 
 
 #        0 (root)
