@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,9 +24,9 @@ from tqdm import tqdm
 from hetero_spec.errors import HeteroSpecError
 
 from .datasets import ChatRenderer
+from .decontaminate import _words
 
 _MARK = "\u2063HETERO_SPEC_QUERY\u2063"  # stands for the user's words while the template renders
-_WORD = re.compile(r"\w+")
 # where a base model (the plain template) ends a user's turn and starts the next speaker's
 PLAIN_STOPS = ("\n\nAssistant:", "\nAssistant:", "\n\nUser:")
 
@@ -70,7 +69,7 @@ def rejection(text: str, finished: bool, seen: set[str]) -> str | None:
     """Why a sampled request is not kept (None: keep it)."""
     if not finished:
         return "unfinished"
-    words = _WORD.findall(text.lower())
+    words = _words(text)
     if len(words) < 3:
         return "short"
     if len(words) >= 12 and len(set(words)) < 0.4 * len(words):
@@ -88,7 +87,7 @@ def make_prompts(cfg: PromptConfig, progress: bool = True) -> dict:
     out = Path(cfg.out)
     state_path = out.with_name(out.name + ".progress.json")
     state = _resume(cfg, out, state_path)
-    seen = {" ".join(_WORD.findall(json.loads(line)["conversations"][0]["value"].lower()))
+    seen = {" ".join(_words(json.loads(line)["conversations"][0]["value"]))
             for line in out.read_text().splitlines()} if out.exists() else set()
     if state["kept"] >= cfg.n:
         return state
@@ -111,7 +110,7 @@ def make_prompts(cfg: PromptConfig, progress: bool = True) -> dict:
                 if why:
                     state["dropped"][why] = state["dropped"].get(why, 0) + 1
                 else:
-                    seen.add(" ".join(_WORD.findall(text.lower())))
+                    seen.add(" ".join(_words(text)))
                     record = {"id": f"self-{cfg.seed}-{attempt}", "conversations": [{"from": "human", "value": text}]}
                     fh.write(json.dumps(record, ensure_ascii=False) + "\n")
                     fh.flush()

@@ -234,13 +234,13 @@ def _tree_round(
         depth = max(0, min(shape.depth, len(offered), left - 1, room_target))
         if depth:
             return _lookup_round(target, x, offered, depth, pending, policy, sampling, rng, left, t0)
-        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered, draft)
+        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered)
     room_draft = draft.max_positions - draft.n - pending.positions
     depth = max(0, min(shape.depth, left - 1))
     total = max(0, min(shape.tokens, room_target, room_draft))
     m = len(pending.next_tokens)
     if depth == 0 or total == 0 or m == 0:  # m = 0: a lazy prefill gave the draft nothing to start from yet
-        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered, draft)
+        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered)
     if shape.probe and shape.width == 1 and sampling.greedy:
         return _shadow_probe_round(target, draft, x, pending, policy, sampling, rng, left, offered)
     pending.trim(draft)
@@ -335,15 +335,14 @@ def _shadow_probe_round(target, draft, x: int, pending: _Pending, policy: Policy
     draft_s = time.perf_counter() - td
     consumed = _Pending([pending.features[:0]], [])  # the draft holds these rows now
     step, nxt, new_pending = _undrafted_round(target, x, consumed, policy, sampling, rng, left, time.perf_counter(),
-                                              offered, draft)
+                                              offered)
     policy.observe(1, int(nxt == guess))
     rnd = replace(step.round, draft_s=draft_s, bytes_to_draft=pending.bytes_to_draft())
     return Step(step.tokens, rnd, step.stop_reason), nxt, new_pending
 
 
 def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
-                     rng: np.random.Generator, left: int, t0: float, offered: list[int] = (),
-                     draft: Draft | None = None) -> tuple[Step, int, _Pending]:
+                     rng: np.random.Generator, left: int, t0: float, offered: list[int] = ()) -> tuple[Step, int, _Pending]:
     """Depth 0 inside the speculative loop: one target row; the draft catches up on it later.
 
     Unless the policy wants the row soon (``Policy.wants_rows``), the decode runs with embeddings
@@ -354,7 +353,7 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
     this row for free evidence for the lookup statistics (greedy: equal to the target's token;
     sampling: the probability that verification would have accepted it)."""
     n0 = target.n_past
-    target.set_embeddings(draft is None or policy.wants_rows(CATCHUP_ROWS))
+    target.set_embeddings(policy.wants_rows(CATCHUP_ROWS))
     tv = time.perf_counter()
     logits, hidden = target.verify([x])
     verify_s = time.perf_counter() - tv

@@ -77,7 +77,7 @@ class FixedPolicy:
         return self.shape.depth > 0
 
     def wants_rows(self, within: int) -> bool:
-        return self.shape.depth > 0
+        return self.shape.depth > 0  # its rounds draft (a subclass may still keep the prompt rows lazy)
 
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
         pass

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from hetero_spec.calibration import CostCurve
 from hetero_spec.config import TreeSpec
 from hetero_spec.spec.orchestrator import CATCHUP_ROWS, generate_tokens
-from hetero_spec.spec.policy import FixedPolicy, Shape
+from hetero_spec.spec.policy import AutoPolicy, FixedPolicy, Shape
 from hetero_spec.spec.tree import Tree
 from tests.conftest import bench_prompts
 
@@ -202,18 +203,19 @@ def test_auto_output_equals_plain(hs, plain_outputs):
     assert hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len="auto").tokens == plain_outputs[p]
 
 
+def auto_that_never_drafts() -> AutoPolicy:
+    """Auto sizing on a curve where t(2) = 2 t(1): a draft must be sure to pay, so it only probes."""
+    return AutoPolicy(CostCurve({n: 10.0 * n for n in range(1, 33)}, 5.0))
+
+
 def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_their_rows(hs, monkeypatch):
     """A draft that never pays: auto decodes most plain rounds with embeddings off, like plain
     decoding, turns them on CATCHUP_ROWS rounds before each probe so the probe has its rows,
     and the output stays the plain one."""
-    from hetero_spec.calibration import CostCurve
-    from hetero_spec.spec.policy import AutoPolicy
-
     prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
     hs.reset()
     plain = hs.generate(prompt, max_new_tokens=128, draft_len=0).tokens
     assert len(plain) == 128  # long enough for several probes
-    never_pays = CostCurve({n: 10.0 * n for n in range(1, 33)}, 5.0)  # t(2) = 2 t(1): one draft must be sure
     draft = OracleTreeDraft(prompt + plain, error_rate=1.0)
     probe_rows: list[int] = []
     propose = draft.propose
@@ -223,7 +225,7 @@ def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_the
     monkeypatch.setattr(hs.target, "verify", lambda t: embeddings.append(hs.target.embeddings) or verify(t))
     hs.target.reset()
     steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=128, draft_len=1,
-                                 policy=AutoPolicy(never_pays)))
+                                 policy=auto_that_never_drafts()))
     assert [t for s in steps for t in s.tokens] == plain
     assert len(probe_rows) >= 3 and all(m >= CATCHUP_ROWS - 1 for m in probe_rows)
     assert 0.3 * len(embeddings) <= embeddings.count(False) < len(embeddings)
@@ -233,9 +235,6 @@ def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_the
 
 def test_a_full_draft_takes_no_more_holes_and_the_output_stays_plain(hs, monkeypatch):
     """Plain rounds without embeddings skip the draft's positions; once its context is full they stop."""
-    from hetero_spec.calibration import CostCurve
-    from hetero_spec.spec.policy import AutoPolicy
-
     prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
     hs.reset()
     plain = hs.generate(prompt, max_new_tokens=96, draft_len=0).tokens
@@ -249,7 +248,7 @@ def test_a_full_draft_takes_no_more_holes_and_the_output_stays_plain(hs, monkeyp
     monkeypatch.setattr(draft, "skip", bounded_skip)
     hs.target.reset()
     steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=96, draft_len=1,
-                                 policy=AutoPolicy(CostCurve({n: 10.0 * n for n in range(1, 33)}, 5.0))))
+                                 policy=auto_that_never_drafts()))
     assert [t for s in steps for t in s.tokens] == plain and draft.n <= draft.max_positions
 
 
