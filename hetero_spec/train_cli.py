@@ -58,6 +58,9 @@ def _target_parts(model: Path):
               help="share of chain starts the unrolled steps continue (cheaper unrolling on a CPU)")
 @click.option("--noise", default=0.05, show_default=True, help="input feature noise (fraction of RMS)")
 @click.option("--max-len", default=1024, show_default=True)
+@click.option("--loop-keep", default=0, show_default=True, type=click.IntRange(0),
+              help="score only this many tokens of each repetition loop in the answers and cut sequences "
+                   "after their last scored token (0 = off; docs/training.md)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @click.option("--threads", default=0, show_default=True, help="CPU threads (0 = all)")
@@ -71,8 +74,8 @@ def _target_parts(model: Path):
               help="start the draft's last block from the target's last block (dequantized from the GGUF)")
 @click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
 def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab, epochs, max_steps, time_budget,
-          budget_clock, lr, batch_tokens, grad_accum, unroll, chain_sample, noise, max_len, seed, device, threads,
-          precision, eval_every, checkpoint_every, resume, init_from_target, loss_weights) -> None:
+          budget_clock, lr, batch_tokens, grad_accum, unroll, chain_sample, noise, max_len, loop_keep, seed, device,
+          threads, precision, eval_every, checkpoint_every, resume, init_from_target, loss_weights) -> None:
     """Distil a draft for MODEL from exported FEATURES folders (see export-features); several folders
     (say self-distilled and plain data) train together."""
     from .train.loop import TrainConfig
@@ -93,8 +96,8 @@ def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab,
     cfg = TrainConfig(variant=variant, taps=tap_list, hole_prob=hole_prob, n_blocks=blocks, reduced_vocab=reduced_vocab,
                       epochs=epochs, max_steps=max_steps, time_budget_s=time_budget * 60, budget_clock=budget_clock,
                       lr=lr, batch_tokens=batch_tokens, grad_accum=grad_accum, unroll_steps=unroll,
-                      chain_sample=chain_sample, noise=noise, max_len=max_len, seed=seed, device=device,
-                      threads=threads, precision=precision, loss=weights, init_from_target=init_from_target,
+                      chain_sample=chain_sample, noise=noise, max_len=max_len, loop_keep=loop_keep, seed=seed,
+                      device=device, threads=threads, precision=precision, loss=weights, init_from_target=init_from_target,
                       eval_every=eval_every, checkpoint_every=checkpoint_every)
     fp, emb, head = _target_parts(model)
     init_block = None

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import HeteroSpecError
 from ..features import FeatureSequence, iter_sequences, read_manifest
+from .loops import trim_loops
 
 
 @dataclass
@@ -28,13 +29,14 @@ def tap_keys(taps: tuple[int, ...]) -> list[str]:
 
 
 def load_split(folders: str | Path | list, *, max_len: int, held_out: float, seed: int,
-               taps: tuple[int, ...] = ()) -> Split:
+               taps: tuple[int, ...] = (), loop_keep: int = 0) -> Split:
     """Map every sequence of every folder (memory maps: a corpus with taps is tens of GB), cut to
     ``max_len`` rows, drop those with fewer than 3 rows or no loss tokens.  A sequence is held out
     when the seeded hash of its token ids falls below ``held_out``: the split depends on nothing but
     the sequence itself, so a corpus that grows between resumed runs, or a second folder beside it,
     never moves a held-out sequence into training.  ``taps``: the block inputs the draft reads, which
-    every folder must hold."""
+    every folder must hold.  ``loop_keep`` > 0: repetition loops keep this many scored tokens
+    (``loops.trim_loops``); the split is drawn before trimming, so it does not depend on the setting."""
     folders = [folders] if isinstance(folders, (str, Path)) else list(folders)
     keys = tap_keys(taps)
     for folder in folders:
@@ -56,6 +58,7 @@ def load_split(folders: str | Path | list, *, max_len: int, held_out: float, see
         out = u < held_out
         if len(seqs) > 1 and held_out > 0 and not out.any():  # a tiny folder still gets one
             out[int(u.argmin())] = True
+        seqs = [trim_loops(s, loop_keep) for s in seqs]
         split.train.extend(s for s, o in zip(seqs, out) if not o)
         split.held_out.extend(s for s, o in zip(seqs, out) if o)
     return split

@@ -60,6 +60,9 @@ class TrainConfig:
     init_from_target: bool = False  # the last draft block starts as the target's last block (see init_block)
     noise: float = 0.05  # input feature noise, as a fraction of the features' RMS (EAGLE)
     max_len: int = 1024
+    # > 0: a repetition loop in the answers keeps this many scored tokens, the rest are unscored and a
+    # sequence ends at its last scored token (loops.py: greedy self-distilled answers loop a lot)
+    loop_keep: int = 0
     held_out: float = 0.03
     max_held_out: int = 256  # sequences; evaluation runs the full target head on every position
     eval_chain: int = 4  # teacher-forced accepted-length estimate for chain k = this
@@ -111,7 +114,8 @@ def train(
         diffs = fingerprint.mismatches(read_manifest(folder).fingerprint)
         if diffs:
             raise HeteroSpecError(f"features in {folder} come from another target: " + "; ".join(diffs))
-    split = load_split(features_dirs, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed, taps=cfg.taps)
+    split = load_split(features_dirs, max_len=cfg.max_len, held_out=cfg.held_out, seed=cfg.seed, taps=cfg.taps,
+                       loop_keep=cfg.loop_keep)
     split.held_out = split.held_out[: cfg.max_held_out]
     if not split.train:
         raise HeteroSpecError(f"{', '.join(map(str, features_dirs))} hold no usable training sequences")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One resumable command that rebuilds the shipped SmolLM2-135M drafts from nothing:
 #   1. the self-distilled corpus: the target's own greedy answers to ShareGPT (first turns, and the
-#      second after its own first answer), EAGLE-3 taps stored, in two single-thread parts;
+#      second after its own first answer), EAGLE-3 taps stored, in two single-thread parts; then its
+#      answers to requests it wrote itself (make-prompts: general, Python and math);
 #   2. the DarterSD/DGF draft with taps (the product) and the EAGLE-3 baseline, trained side by side
 #      on the same data and the same wall-clock budget, one thread each;
 #   3. the drafts copied to drafts/.
@@ -23,13 +24,25 @@ for i in 0 1; do
     --taps "$TAPS" --chunk 256 -t 1 &
 done
 wait
+P="$DATA/prompts"  # requests the target writes itself; the counts are those of the shipped draft's data
+mkdir -p "$P"
+hetero-spec make-prompts "$MODEL" "$P/code.jsonl" --n 400 -t 2 --seed 1 \
+  --system "You are an expert Python programmer who writes and explains code."
+hetero-spec make-prompts "$MODEL" "$P/math.jsonl" --n 300 -t 2 --seed 2 \
+  --system "You are a patient math tutor who solves word problems step by step."
+hetero-spec make-prompts "$MODEL" "$P/self.jsonl" --n 1849 -t 2
+cat "$P/code.jsonl" "$P/math.jsonl" "$P/self.jsonl" > "$P/mix.jsonl"
+hetero-spec generate-corpus "$MODEL" "$DATA/corpus-self" --source "$P/mix.jsonl" --turns 1 --n-seq 16 \
+  --taps "$TAPS" --chunk 128 -t 2
 
 # 2. both drafts, the same data and budget, one thread each.  --resume continues from OUT.train/
 #    (the held-out split is fixed by each sequence's hash, so a corpus that grew meanwhile is safe).
 #    The unrolled steps continue a third of the chain starts (--chain-sample 0.33), which makes a
 #    three-step unrolled batch cost about 1.3 eagle batches on a CPU instead of 3.
-FEATS=("$DATA/corpus-0/features" "$DATA/corpus-1/features")
-common=(--target "$MODEL" --taps "$TAPS" --blocks 1 --unroll 3 --chain-sample 0.33 --max-len 2048 --epochs 100
+#    --loop-keep 32: each repetition loop of the greedy answers scores its first 32 tokens only
+#    (docs/training.md: 42% of the answer tokens were loop tails).
+FEATS=("$DATA/corpus-0/features" "$DATA/corpus-1/features" "$DATA/corpus-self/features")
+common=(--target "$MODEL" --taps "$TAPS" --blocks 1 --unroll 3 --chain-sample 0.33 --max-len 2048 --epochs 100 --loop-keep 32
         --threads 1 --eval-every 200 --checkpoint-every 25 --time-budget "$BUDGET_MIN" --budget-clock cpu --resume)
 hetero-spec train "${FEATS[@]}" --out "$DATA/drafts/smollm2-135m-darter.safetensors" --variant darter \
   "${common[@]}" &

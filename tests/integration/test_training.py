@@ -125,6 +125,20 @@ def test_several_folders_train_together_and_each_keeps_its_own_held_out_split(fe
         assert (a.input_ids == b.input_ids).all()
 
 
+def test_loop_trimming_keeps_the_held_out_split_and_only_removes_scored_loop_tokens(features):
+    from hetero_spec.train.data import load_split
+
+    plain = load_split(features, max_len=1024, held_out=0.2, seed=3)
+    trimmed = load_split(features, max_len=1024, held_out=0.2, seed=3, loop_keep=2)
+    for a_list, b_list in ((plain.train, trimmed.train), (plain.held_out, trimmed.held_out)):
+        assert len(a_list) == len(b_list)
+        for a, b in zip(a_list, b_list):  # the same sequences, each a prefix of its untrimmed self
+            assert len(b) <= len(a) and (a.input_ids[: len(b)] == b.input_ids).all()
+            assert (b.loss_mask <= a.loss_mask[: len(b)]).all()
+    scored = lambda seqs: sum(int(s.loss_mask.sum()) for s in seqs)  # noqa: E731
+    assert scored(trimmed.train) < scored(plain.train)  # greedy answers of a 135M model do loop
+
+
 def test_bf16_autocast_changes_the_arithmetic_but_not_the_loss_materially(features, parts):
     from hetero_spec.draft.model import DraftModel, init_weights
     from hetero_spec.train.data import collate, load_split
