@@ -165,3 +165,13 @@ def test_a_cpu_budget_counts_cpu_seconds_per_thread_not_wall_time():
     state = {"train_s": 100.0, "cpu_s": 30.0 * torch.get_num_threads()}
     assert _spent(state, TrainConfig(budget_clock="wall")) == 100.0
     assert _spent(state, TrainConfig(budget_clock="cpu")) == pytest.approx(30.0)
+
+
+def test_a_cpu_budget_is_continuous_when_a_resume_changes_the_thread_count():
+    """Resuming a one-thread run on two threads must not halve the time already spent."""
+    from hetero_spec.train.loop import TrainConfig, _spent
+
+    cfg = TrainConfig(budget_clock="cpu")
+    resumed = {"train_s": 100.0, "cpu_s": 90.0, "cpu_thread_s": 60.0}  # 30 s on 1 thread, then 60 CPU-s on 2
+    assert _spent(resumed, cfg) == 60.0
+    assert _spent(resumed, TrainConfig(budget_clock="wall")) == 100.0
