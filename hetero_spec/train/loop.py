@@ -176,10 +176,10 @@ def train(
                 state["train_s"] += time.perf_counter() - t0
                 # CPU seconds of the steps (all threads): on a shared machine the wall clock overstates the work
                 cpu = time.process_time() - c0
-                state["cpu_s"] = state.get("cpu_s", 0.0) + cpu
                 # the cpu budget's clock, per thread of *this* step: a resume with another --threads
                 # continues it instead of rescaling every step already taken
                 state["cpu_thread_s"] = _spent(state, cfg, "cpu") + cpu / max(1, torch.get_num_threads())
+                state["cpu_s"] = state.get("cpu_s", 0.0) + cpu
                 acc = agg["correct"] / max(1, agg["count"])
                 state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
                 bar.update(1)
