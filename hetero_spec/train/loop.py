@@ -174,12 +174,8 @@ def train(
                 state["step"] += 1
                 state["batch_in_epoch"] = bi + cfg.grad_accum
                 state["train_s"] += time.perf_counter() - t0
-                # CPU seconds of the steps (all threads): on a shared machine the wall clock overstates the work
-                cpu = time.process_time() - c0
-                # the cpu budget's clock, per thread of *this* step: a resume with another --threads
-                # continues it instead of rescaling every step already taken
-                state["cpu_thread_s"] = _spent(state, cfg, "cpu") + cpu / max(1, torch.get_num_threads())
-                state["cpu_s"] = state.get("cpu_s", 0.0) + cpu
+                # CPU seconds of the steps: on a shared machine the wall clock overstates the work
+                _add_step_cpu(state, time.process_time() - c0, torch.get_num_threads())
                 acc = agg["correct"] / max(1, agg["count"])
                 state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
                 bar.update(1)
@@ -377,14 +373,26 @@ def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) ->
         raise HeteroSpecError(str(exc)) from None
 
 
-def _spent(state: dict, cfg: TrainConfig, clock: str | None = None) -> float:
-    """Training time used so far, on the clock the budget counts (``TrainConfig.budget_clock``):
-    wall seconds of the steps, or their CPU seconds per thread, summed step by step.  A checkpoint
-    from before the per-step sum was kept ran on one thread count throughout."""
-    if (clock or cfg.budget_clock) == "cpu":
-        if "cpu_thread_s" in state:
-            return state["cpu_thread_s"]
-        return state.get("cpu_s", 0.0) / max(1, torch.get_num_threads())
+def _cpu_thread_s(state: dict) -> float:
+    """CPU seconds per thread, summed step by step.  A checkpoint from before that sum was kept
+    ran on one thread count throughout, so its CPU seconds divide by the current one."""
+    if "cpu_thread_s" in state:
+        return state["cpu_thread_s"]
+    return state.get("cpu_s", 0.0) / max(1, torch.get_num_threads())
+
+
+def _add_step_cpu(state: dict, cpu_s: float, threads: int) -> None:
+    """Count one step's CPU seconds (all threads), and on the cpu budget's clock per thread of
+    *this* step: a resume with another --threads continues the clock instead of rescaling every
+    step already taken."""
+    state["cpu_thread_s"] = _cpu_thread_s(state) + cpu_s / max(1, threads)
+    state["cpu_s"] = state.get("cpu_s", 0.0) + cpu_s
+
+
+def _spent(state: dict, cfg: TrainConfig) -> float:
+    """Training time used so far, on the clock the budget counts (``TrainConfig.budget_clock``)."""
+    if cfg.budget_clock == "cpu":
+        return _cpu_thread_s(state)
     return state["train_s"]
 
 

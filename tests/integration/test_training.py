@@ -57,8 +57,6 @@ def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, part
         meta = json.loads(fh.metadata()["hetero_spec.training"])
     assert meta["steps"] == 40 and 0 < meta["vocab_coverage"] <= 1 and meta["eval"]["accepted_length"] >= 1.0
     assert summary["steps"] == 40 and 0 < summary["train_cpu_seconds"]
-    import torch
-
     state = torch.load(tmp_path / "d.train" / "checkpoint.pt", map_location="cpu", weights_only=False)
     state = state.get("state", state)  # the budget clock sums each step once, per thread
     assert state["cpu_thread_s"] * torch.get_num_threads() == pytest.approx(state["cpu_s"], rel=1e-6)

@@ -171,7 +171,12 @@ def test_a_cpu_budget_is_continuous_when_a_resume_changes_the_thread_count():
     """Resuming a one-thread run on two threads must not halve the time already spent."""
     from hetero_spec.train.loop import TrainConfig, _spent
 
+    from hetero_spec.train.loop import _add_step_cpu
+
     cfg = TrainConfig(budget_clock="cpu")
-    resumed = {"train_s": 100.0, "cpu_s": 90.0, "cpu_thread_s": 60.0}  # 30 s on 1 thread, then 60 CPU-s on 2
-    assert _spent(resumed, cfg) == 60.0
-    assert _spent(resumed, TrainConfig(budget_clock="wall")) == 100.0
+    state = {"train_s": 100.0}
+    _add_step_cpu(state, 30.0, threads=1)  # 30 s on one thread
+    _add_step_cpu(state, 60.0, threads=2)  # then resumed on two: 60 CPU-s in 30 s
+    assert state["cpu_s"] == 90.0
+    assert _spent(state, cfg) == 60.0
+    assert _spent(state, TrainConfig(budget_clock="wall")) == 100.0
