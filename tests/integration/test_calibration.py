@@ -63,6 +63,20 @@ def test_interpolation():
     assert c.draft_rows_time_ms(3) == pytest.approx(3.0)  # no rows measured: n steps
 
 
+def test_draft_step_warm_up_runs_for_both_its_count_and_its_time():
+    """A fresh process's first draft steps run at about twice the steady cost, so the warm-up
+    before the draft step is timed must not stop at a handful of calls."""
+    import time
+
+    calls = []
+    t0 = time.perf_counter()
+    calibration._warm_up(lambda: calls.append(1), calls=30, seconds=0.05)
+    assert len(calls) > 30 and time.perf_counter() - t0 >= 0.05  # a no-op is fast: time decides
+    calls.clear()
+    calibration._warm_up(lambda: (calls.append(1), time.sleep(0.01)), calls=30, seconds=0.05)
+    assert len(calls) == 30  # a slow step: the count decides
+
+
 def test_load_or_measure_caches_per_model(hs, model_path, random_draft_path, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
