@@ -154,8 +154,10 @@ class HeteroSpec:
         key = (*((tree.top_k, tree.total_tokens, tree.depth) if tree else (1, 0, AUTO_MAX_CHAIN)),
                AUTO_LOOKUP_DEPTH if cfg.lookup else 0)
         if key not in self._auto:
+            from .draft.checkpoint import read_held_out_acceptance
+
             self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2],
-                                         lookup_depth=key[3])
+                                         lookup_depth=key[3], prior_alphas=read_held_out_acceptance(self.draft_path))
         return self._auto[key]
 
     def cost_curve(self):

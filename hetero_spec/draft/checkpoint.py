@@ -5,6 +5,7 @@ target they must come from.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from .model import DraftModel
 CONFIG_KEY = "hetero_spec.draft_config"
 FORMAT_KEY = "hetero_spec.format"
 FORMAT = "1"
+TRAINING_KEY = "hetero_spec.training"  # the trainer's summary (steps, data, held-out evaluation)
 
 
 def save_draft(
@@ -54,6 +56,18 @@ def read_config(path: str | Path) -> DraftConfig:
         return DraftConfig.from_json(meta[CONFIG_KEY])
     except (ConfigError, TypeError, ValueError) as exc:
         raise DraftError(f"{path.name} has an invalid draft config: {_first_line(exc)}") from None
+
+
+def read_held_out_acceptance(path: str | Path) -> tuple[float, ...]:
+    """The trainer's held-out top-1 per unrolled step (depth 1, 2, ...), or () for a draft without
+    one (an imported head, an old file).  ``--draft-len auto`` starts from these instead of 0.5."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            summary = json.loads((fh.metadata() or {}).get(TRAINING_KEY, "{}"))
+        steps = (summary.get("eval") or {}).get("step_top1") or ()
+        return tuple(float(x) for x in steps if 0.0 < float(x) < 1.0)
+    except (SafetensorError, OSError, ValueError, TypeError, AttributeError):
+        return ()
 
 
 def load_draft(path: str | Path, target: TargetFingerprint | None = None) -> DraftModel:

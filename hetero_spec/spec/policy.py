@@ -16,6 +16,13 @@ the target and the draft each on its own, while in the loop they alternate and e
 other's caches and spin each other's thread pools.  Measured on SmolLM2 Q4_0 (2 threads):
 a one-draft round cost 2.1-2.3 t(1) against the curve's 1.58, so auto trusted the curve,
 drafted at break-even and ran at 0.93-0.96x of plain decoding.
+
+The acceptance estimates start from the draft's own held-out top-1 per unrolled step where
+its file records one (``draft.checkpoint.read_held_out_acceptance``), forget slowly (0.98 per
+drafted round), and probes stay frequent while drafting is estimated near break-even.  With a
+0.5 prior, fast forgetting and one-deep probes, auto on the scale-10 target (2 threads, AVX-512
+EPYC) drafted 21 rounds in 80 prompts while a fixed k=3 chain ran at 1.10x of plain decoding:
+a bad streak stopped drafting, and the statistics, updated by rare probes only, stayed low.
 """
 from __future__ import annotations
 
@@ -90,12 +97,17 @@ class AcceptanceStats:
     max_depth: int
     decay: float = 0.95
     prior: tuple[float, float] = (1.0, 1.0)  # pseudo-counts (accepted, rejected): alpha starts at 0.5
+    prior_alphas: tuple[float, ...] = ()  # per depth (1, 2, ...): a prior mean instead of 0.5, same weight
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reached = [0.0] * (self.max_depth + 1)
         self.accepted = [0.0] * (self.max_depth + 1)
+        weight = sum(self.prior)
+        means = list(self.prior_alphas) or [self.prior[0] / weight]
+        means += [means[-1]] * (self.max_depth - len(means))  # deeper than measured: the deepest figure
+        self._priors = [self.prior] + [(weight * m, weight * (1.0 - m)) for m in means[: self.max_depth]]
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         """One verified round: depths 1..min(accepted + 1, drafted_depth) were reached."""
@@ -115,7 +127,7 @@ class AcceptanceStats:
         self.accepted[1] += p_accept
 
     def alpha(self, d: int) -> float:
-        a0, b0 = self.prior
+        a0, b0 = self._priors[d]
         return (self.accepted[d] + a0) / (self.reached[d] + a0 + b0)
 
 
@@ -171,18 +183,26 @@ class MeasuredCost:
     seen: dict[str, int] = field(default_factory=dict)
 
     def observe(self, kind: str, measured_ms: float, modelled_ms: float) -> None:
+        """Plain rounds: their ratio to the curve.  Other kinds: their ratio *relative to plain
+        rounds' at the time*, so that a machine whose speed drifts (turbo, thermal limits, a busy
+        neighbour) moves every kind at once.  Kept absolute, a kind that stopped running kept the
+        ratio of a slow spell while plain rounds sped up, looked dearer and dearer, and never ran
+        again to correct it: measured on a VM whose plain decoding sped up 1.4x during a bench,
+        auto stopped using prompt lookup for its last 40 prompts."""
         if measured_ms <= 0 or modelled_ms <= 0:
             return
         r = min(max(math.log(measured_ms / modelled_ms), -0.7), 1.4)  # 0.5x .. 4x
+        if kind != "plain":
+            r -= self.log_ratio.get("plain", 0.0)
         w = self.decay if self.seen.get(kind) else 0.0
         self.log_ratio[kind] = w * self.log_ratio.get(kind, 0.0) + (1 - w) * r
         self.seen[kind] = self.seen.get(kind, 0) + 1
 
     def scale(self, kind: str) -> float:
         """Rounds of ``kind``: their cost against the curve relative to plain rounds' (1 until both are seen)."""
-        if not (self.seen.get("plain") and self.seen.get(kind)):
+        if kind == "plain" or not (self.seen.get("plain") and self.seen.get(kind)):
             return 1.0
-        return math.exp(self.log_ratio[kind] - self.log_ratio["plain"])
+        return math.exp(self.log_ratio[kind])
 
     @property
     def drafted_scale(self) -> float:
@@ -221,6 +241,9 @@ class Backoff:
         return self.gap - self.streak
 
 
+BREAK_EVEN_BAND = 0.95  # drafting estimated at least this fraction of plain speed keeps probes frequent
+
+
 class AutoPolicy:
     """Chooses each round's source and depth from the cost curve and running acceptance statistics.
 
@@ -237,10 +260,16 @@ class AutoPolicy:
     """
 
     def __init__(self, curve: Curve, *, width: int = 1, total: int = 0, max_depth: int = 8,
-                 probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95,
-                 min_gain: float = 1.08, lookup_depth: int = 0) -> None:
+                 probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95, draft_decay: float = 0.98,
+                 min_gain: float = 1.08, lookup_depth: int = 0, prior_alphas: tuple[float, ...] = ()) -> None:
         self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
-        self.stats = AcceptanceStats(max_depth, decay=decay)
+        # the draft's own held-out acceptance per depth, where its file records one: a trained draft
+        # starts where training left it, not at 0.5, which undervalues every depth past the first
+        # The draft's statistics forget more slowly than lookup's (whose acceptance follows the text):
+        # at 0.95 (about 20 rounds' memory) the estimate of a draft near break-even swung across it
+        # and drafting stopped on a bad streak (simulated on the scale-10 curve: 1.02-1.17x against
+        # 1.18-1.22x at 0.98, the fixed best shape 1.22x).
+        self.stats = AcceptanceStats(max_depth, decay=draft_decay, prior_alphas=prior_alphas)
         self.lookup_depth = lookup_depth
         self.lookup_stats = AcceptanceStats(max(1, lookup_depth), decay=decay)
         # measured on SmolLM2 Q4_0 (2 threads): with min_gain 1.0 auto drafted on estimates
@@ -278,6 +307,26 @@ class AutoPolicy:
                 best, best_rate = shape, rate
         return best, best_rate
 
+    def _probe_depth(self) -> int:
+        """The depth a draft probe drafts to: the best chain on the curve alone (no margin, no
+        measured correction), at least 1.  A probe only one deep teaches nothing about depths 2
+        and beyond.  (A greedy chain probe still runs one deep, as a shadow probe that verifies
+        nothing: ``spec/orchestrator.py``; this depth is what a verified probe drafts.)"""
+        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
+        rates = {d: expected_emitted(alphas[:d]) / round_cost_ms(self.curve, Shape(d)) for d in range(1, self.max_depth + 1)}
+        return max(rates, key=rates.get)
+
+    def _near_break_even(self) -> bool:
+        """Whether the best drafted shape, at the measured cost, is within ``BREAK_EVEN_BAND`` of plain
+        rounds.  There the estimate decides, and it is noisy: a bad streak stops drafting and then
+        freezes the statistics low, since only probes update them.  Near break-even a probe costs
+        almost nothing, so probing stays frequent; far below it, the gap doubles."""
+        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
+        plain_rate = 1.0 / round_cost_ms(self.curve, Shape(0))
+        drafted = max(expected_emitted(alphas[:d]) / (self.cost.drafted_scale * round_cost_ms(
+            self.curve, Shape(d, self.width, self.total))) for d in range(1, self.max_depth + 1))
+        return drafted >= BREAK_EVEN_BAND * plain_rate
+
     def expects_drafting(self) -> bool:
         """Whether the draft model is expected to run soon (it then needs the prompt's rows)."""
         return self._best().depth > 0
@@ -305,7 +354,7 @@ class AutoPolicy:
         if shape.depth == 0:
             if self._draft_probe.due():  # keep learning whether the draft got useful
                 self._probing = "draft"
-                return Shape(1, 1, probe=True)
+                return Shape(self._probe_depth(), 1, probe=True)
             return shape
         self._draft_probe.reset()  # drafting pays again: probe promptly once it stops paying
         return shape
@@ -315,8 +364,8 @@ class AutoPolicy:
             (self.lookup_stats if source == "lookup" else self.stats).observe(drafted_depth, accepted)
             if source != "lookup":
                 self._best_shape = None
-        if self._probing == "draft":  # the gap resets only once drafting is expected to pay again
-            self._draft_probe.settle(self.expects_drafting())
+        if self._probing == "draft":  # the gap grows only while drafting is clearly not worth it
+            self._draft_probe.settle(self.expects_drafting() or self._near_break_even())
         elif self._probing == "lookup":
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
 

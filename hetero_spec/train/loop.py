@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ConfigError, DraftConfig, TargetFingerprint, draft_config_for
-from ..draft.checkpoint import save_draft
+from ..draft.checkpoint import TRAINING_KEY, save_draft
 from ..draft.model import DraftModel, init_weights
 from ..cpu_features import cpu_has_bf16
 from ..errors import HeteroSpecError
@@ -185,7 +185,7 @@ def train(
                     _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
                     # the draft so far, usable (bench, run) while training goes on; the end replaces it
                     save_draft(model, work / "latest.safetensors", dtype=torch.bfloat16,
-                               extra={"hetero_spec.training": json.dumps({"partial": True, "steps": state["step"]})})
+                               extra={TRAINING_KEY: json.dumps({"partial": True, "steps": state["step"]})})
                 if rank == 0 and (state["step"] % cfg.checkpoint_every == 0 or out_of_time or stop.requested):
                     _save_checkpoint(ckpt, model, opt, state)
                 if state["step"] >= total or out_of_time or stop.requested:
@@ -210,7 +210,7 @@ def train(
                 "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
                 "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
             }
-            save_draft(model, out, extra={"hetero_spec.training": json.dumps(summary)}, dtype=torch.bfloat16)
+            save_draft(model, out, extra={TRAINING_KEY: json.dumps(summary)}, dtype=torch.bfloat16)
             (work / "history.json").write_text(json.dumps(state["history"]))
             _plot_history(state["history"], work / "training.png")
     if world > 1:
