@@ -263,9 +263,9 @@ class AutoPolicy:
                  probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95, draft_decay: float = 0.98,
                  min_gain: float = 1.08, lookup_depth: int = 0, prior_alphas: tuple[float, ...] = ()) -> None:
         self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
-        # the draft's own held-out acceptance per depth, where its file records one: a trained draft
-        # starts where training left it, not at 0.5, which undervalues every depth past the first
-        # The draft's statistics forget more slowly than lookup's (whose acceptance follows the text):
+        # The draft's own held-out acceptance per depth, where its file records one: a trained draft
+        # starts where training left it, not at 0.5, which undervalues every depth past the first.
+        # Its statistics forget more slowly than lookup's (whose acceptance follows the text):
         # at 0.95 (about 20 rounds' memory) the estimate of a draft near break-even swung across it
         # and drafting stopped on a bad streak (simulated on the scale-10 curve: 1.02-1.17x against
         # 1.18-1.22x at 0.98, the fixed best shape 1.22x).
