@@ -41,15 +41,19 @@ def save_draft(
     os.replace(tmp, path)
 
 
-def read_config(path: str | Path) -> DraftConfig:
-    path = Path(path)
+def _metadata(path: Path) -> dict[str, str]:
     if not path.is_file():
         raise DraftError(f"draft file not found: {path}")
     try:
         with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
+            return fh.metadata() or {}
     except (SafetensorError, OSError, ValueError) as exc:
         raise DraftError(f"{path.name} is not a readable safetensors file ({_first_line(exc)})") from None
+
+
+def read_config(path: str | Path) -> DraftConfig:
+    path = Path(path)
+    meta = _metadata(path)
     if CONFIG_KEY not in meta:
         raise DraftError(f"{path.name} is not a hetero-spec draft (no {CONFIG_KEY} in its metadata)")
     try:
@@ -62,11 +66,10 @@ def read_held_out_acceptance(path: str | Path) -> tuple[float, ...]:
     """The trainer's held-out top-1 per unrolled step (depth 1, 2, ...), or () for a draft without
     one (an imported head, an old file).  ``--draft-len auto`` starts from these instead of 0.5."""
     try:
-        with safe_open(str(path), framework="pt") as fh:
-            summary = json.loads((fh.metadata() or {}).get(TRAINING_KEY, "{}"))
+        summary = json.loads(_metadata(Path(path)).get(TRAINING_KEY, "{}"))
         steps = (summary.get("eval") or {}).get("step_top1") or ()
         return tuple(float(x) for x in steps if 0.0 < float(x) < 1.0)
-    except (SafetensorError, OSError, ValueError, TypeError, AttributeError):
+    except (DraftError, ValueError, TypeError, AttributeError):
         return ()
 
 

@@ -307,25 +307,29 @@ class AutoPolicy:
                 best, best_rate = shape, rate
         return best, best_rate
 
+    def _best_drafted(self, width: int, total: int, scale: float) -> tuple[int, float]:
+        """The best drafting depth (at least 1) and its tokens per ms, with no plain-round
+        alternative and no margin: what a probe needs, where ``best_shape`` answers "plain"."""
+        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
+        rates = {d: expected_emitted(alphas[:d]) / (scale * round_cost_ms(self.curve, Shape(d, width, total)))
+                 for d in range(1, self.max_depth + 1)}
+        best = max(rates, key=rates.get)
+        return best, rates[best]
+
     def _probe_depth(self) -> int:
         """The depth a draft probe drafts to: the best chain on the curve alone (no margin, no
-        measured correction), at least 1.  A probe only one deep teaches nothing about depths 2
-        and beyond.  (A greedy chain probe still runs one deep, as a shadow probe that verifies
-        nothing: ``spec/orchestrator.py``; this depth is what a verified probe drafts.)"""
-        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
-        rates = {d: expected_emitted(alphas[:d]) / round_cost_ms(self.curve, Shape(d)) for d in range(1, self.max_depth + 1)}
-        return max(rates, key=rates.get)
+        measured correction).  A probe only one deep teaches nothing about depths 2 and beyond.
+        (A greedy chain probe still runs one deep, as a shadow probe that verifies nothing:
+        ``spec/orchestrator.py``; this depth is what a verified probe drafts.)"""
+        return self._best_drafted(1, 0, 1.0)[0]
 
     def _near_break_even(self) -> bool:
         """Whether the best drafted shape, at the measured cost, is within ``BREAK_EVEN_BAND`` of plain
         rounds.  There the estimate decides, and it is noisy: a bad streak stops drafting and then
         freezes the statistics low, since only probes update them.  Near break-even a probe costs
         almost nothing, so probing stays frequent; far below it, the gap doubles."""
-        alphas = [self.stats.alpha(d) for d in range(1, self.max_depth + 1)]
-        plain_rate = 1.0 / round_cost_ms(self.curve, Shape(0))
-        drafted = max(expected_emitted(alphas[:d]) / (self.cost.drafted_scale * round_cost_ms(
-            self.curve, Shape(d, self.width, self.total))) for d in range(1, self.max_depth + 1))
-        return drafted >= BREAK_EVEN_BAND * plain_rate
+        rate = self._best_drafted(self.width, self.total, self.cost.drafted_scale)[1]
+        return rate >= BREAK_EVEN_BAND / round_cost_ms(self.curve, Shape(0))
 
     def expects_drafting(self) -> bool:
         """Whether the draft model is expected to run soon (it then needs the prompt's rows)."""
