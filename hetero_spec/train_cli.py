@@ -72,10 +72,13 @@ def _target_parts(model: Path):
 @click.option("--resume", is_flag=True, help="continue from OUT's checkpoint folder")
 @click.option("--init-from-target", is_flag=True,
               help="start the draft's last block from the target's last block (dequantized from the GGUF)")
+@click.option("--init-from", type=click.Path(dir_okay=False, path_type=Path),
+              help="start from this draft's weights (same architecture; fresh optimizer and lr schedule), e.g. "
+                   "to continue a shipped draft on new data")
 @click.option("--loss-weights", default="", help="overrides as JSON, e.g. '{\"kl\": 1.0, \"gate\": 0.05}'")
 def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab, epochs, max_steps, time_budget,
           budget_clock, lr, batch_tokens, grad_accum, unroll, chain_sample, noise, max_len, loop_keep, seed, device,
-          threads, precision, eval_every, checkpoint_every, resume, init_from_target, loss_weights) -> None:
+          threads, precision, eval_every, checkpoint_every, resume, init_from_target, init_from, loss_weights) -> None:
     """Distil a draft for MODEL from exported FEATURES folders (see export-features); several folders
     (say self-distilled and plain data) train together."""
     from .train.loop import TrainConfig
@@ -98,6 +101,7 @@ def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab,
                       lr=lr, batch_tokens=batch_tokens, grad_accum=grad_accum, unroll_steps=unroll,
                       chain_sample=chain_sample, noise=noise, max_len=max_len, loop_keep=loop_keep, seed=seed,
                       device=device, threads=threads, precision=precision, loss=weights, init_from_target=init_from_target,
+                      init_from=str(init_from or ""),
                       eval_every=eval_every, checkpoint_every=checkpoint_every)
     fp, emb, head = _target_parts(model)
     init_block = None

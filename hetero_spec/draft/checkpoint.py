@@ -41,7 +41,8 @@ def save_draft(
     os.replace(tmp, path)
 
 
-def _metadata(path: Path) -> dict[str, str]:
+def read_metadata(path: str | Path) -> dict[str, str]:
+    path = Path(path)
     if not path.is_file():
         raise DraftError(f"draft file not found: {path}")
     try:
@@ -53,7 +54,7 @@ def _metadata(path: Path) -> dict[str, str]:
 
 def read_config(path: str | Path) -> DraftConfig:
     path = Path(path)
-    meta = _metadata(path)
+    meta = read_metadata(path)
     if CONFIG_KEY not in meta:
         raise DraftError(f"{path.name} is not a hetero-spec draft (no {CONFIG_KEY} in its metadata)")
     try:
@@ -66,7 +67,7 @@ def read_held_out_acceptance(path: str | Path) -> tuple[float, ...]:
     """The trainer's held-out top-1 per unrolled step (depth 1, 2, ...), or () for a draft without
     one (an imported head, an old file).  ``--draft-len auto`` starts from these instead of 0.5."""
     try:
-        summary = json.loads(_metadata(Path(path)).get(TRAINING_KEY, "{}"))
+        summary = json.loads(read_metadata(path).get(TRAINING_KEY, "{}"))
         steps = (summary.get("eval") or {}).get("step_top1") or ()
         return tuple(float(x) for x in steps if 0.0 < float(x) < 1.0)
     except (DraftError, ValueError, TypeError, AttributeError):

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ConfigError, DraftConfig, TargetFingerprint, draft_config_for
-from ..draft.checkpoint import TRAINING_KEY, save_draft
+from ..draft.checkpoint import TRAINING_KEY, load_draft, read_metadata, save_draft
 from ..draft.model import DraftModel, init_weights
 from ..cpu_features import cpu_has_bf16
 from ..errors import HeteroSpecError
@@ -58,6 +58,9 @@ class TrainConfig:
     # as the runtime's lazy prefill leaves it when auto does not expect to draft.
     hole_prob: float = 0.3
     init_from_target: bool = False  # the last draft block starts as the target's last block (see init_block)
+    # A draft file whose weights, head rows and tap scale this run starts from (fresh optimizer and lr
+    # schedule): continue a shipped draft on new data when its checkpoint folder is gone
+    init_from: str = ""
     noise: float = 0.05  # input feature noise, as a fraction of the features' RMS (EAGLE)
     max_len: int = 1024
     # > 0: a repetition loop in the answers keeps this many scored tokens, the rest are unscored and a
@@ -122,10 +125,16 @@ def train(
     autocast_bf16 = _use_bf16(cfg.precision, device)
     d2t, coverage = choose_vocab(split.train, cfg.reduced_vocab or fingerprint.n_vocab, fingerprint.n_vocab)
     ckpt = work / "checkpoint.pt"
-    if resume and ckpt.exists():  # the head rows chosen when training began, even if the data grew since
+    resuming = resume and ckpt.exists()
+    start = _start_draft(cfg, fingerprint) if cfg.init_from and not resuming else None
+    if resuming:  # the head rows chosen when training began, even if the data grew since
         d2t = torch.load(ckpt, map_location="cpu", weights_only=False)["model"].get("d2t", d2t)
+    elif start is not None:
+        d2t = start.d2t.clone()
     dcfg = _draft_config(cfg, fingerprint, d2t)
     model = init_weights(DraftModel(dcfg), cfg.seed)
+    if start is not None:
+        _adopt(model, start, Path(cfg.init_from).name)
     if cfg.init_from_target:
         if init_block is None:
             raise HeteroSpecError("init_from_target needs the target block's weights (init_block)")
@@ -139,13 +148,13 @@ def train(
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     lr_at = _warmup_cosine(cfg.warmup_steps, total, cfg.time_budget_s)
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "history": []}
-    if resume and ckpt.exists():
+    if resuming:
         state = _load_checkpoint(ckpt, model, opt)
     runner = _Unrolled(model, cfg.unroll_steps)
     if world > 1:
         runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
     feat_rms = _feature_rms(split.train, cfg.taps).to(device)
-    if cfg.taps and not (resume and ckpt.exists()):  # a resumed run keeps the scale it was trained with
+    if cfg.taps and not resuming and start is None:  # a continued draft keeps the scale it was trained with
         model.tap_scale.copy_(tap_scale_for(feat_rms))
     held_targets: dict[int, torch.Tensor] = {}  # the target's argmax per held-out batch (evaluate)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
@@ -209,6 +218,7 @@ def train(
                 "train_tokens": int(sum(len(s) for s in split.train)),
                 "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
                 "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
+                **({"init_from": _prior_training(Path(cfg.init_from))} if cfg.init_from else {}),
             }
             save_draft(model, out, extra={TRAINING_KEY: json.dumps(summary)}, dtype=torch.bfloat16)
             (work / "history.json").write_text(json.dumps(state["history"]))
@@ -371,6 +381,30 @@ def _draft_config(cfg: TrainConfig, fp: TargetFingerprint, d2t: torch.Tensor) ->
                                 reduced_vocab=len(d2t) if len(d2t) < fp.n_vocab else 0)
     except ConfigError as exc:
         raise HeteroSpecError(str(exc)) from None
+
+
+def _start_draft(cfg: TrainConfig, fp: TargetFingerprint) -> DraftModel:
+    if cfg.init_from_target:
+        raise HeteroSpecError("init_from and init_from_target both set the starting weights: choose one")
+    return load_draft(cfg.init_from, fp)
+
+
+def _adopt(model: DraftModel, start: DraftModel, name: str) -> None:
+    """Copy ``start``'s weights into ``model``, refusing a file whose architecture the options change."""
+    ours, theirs = asdict(model.cfg), asdict(start.cfg)
+    diffs = [f"{k} {theirs[k]!r} (options: {ours[k]!r})" for k in ours
+             if k not in ("fingerprint", "max_positions") and ours[k] != theirs[k]]
+    if diffs:
+        raise HeteroSpecError(f"cannot continue from {name}: its " + "; ".join(diffs))
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()},
+                          strict=True)
+
+
+def _prior_training(path: Path) -> dict:
+    """The starting file's own training (steps, CPU seconds, and where it started from in turn)."""
+    prior = json.loads(read_metadata(path).get(TRAINING_KEY, "{}"))
+    keep = ("variant", "steps", "train_seconds", "train_cpu_seconds", "train_tokens", "init_from")
+    return {"file": path.name, **{k: prior[k] for k in keep if k in prior}}
 
 
 def _cpu_thread_s(state: dict) -> float:

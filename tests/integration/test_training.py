@@ -79,6 +79,22 @@ def test_resume_continues_from_the_checkpoint(features, parts, tmp_path):
         torch.testing.assert_close(x, y, msg=name)
 
 
+def test_init_from_continues_a_finished_draft_with_its_weights_and_head_rows(features, parts, tmp_path):
+    first = tmp_path / "a.safetensors"
+    run(replace(BASE, max_steps=12, reduced_vocab=256), features, first, parts)
+    # lr 0: the continued draft can only equal the first if its weights and head rows were adopted
+    # (a fresh start with the same seed would hold the first run's *initial* weights)
+    then = tmp_path / "b.safetensors"
+    summary = run(replace(BASE, max_steps=2, lr=0.0, init_from=str(first)), features, then, parts)
+    a, b = load_draft(first), load_draft(then)
+    assert a.cfg == b.cfg
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, msg=name)
+    assert summary["init_from"]["file"] == "a.safetensors" and summary["init_from"]["steps"] == 12
+    with pytest.raises(HeteroSpecError, match=r"cannot continue from a.safetensors: its n_blocks 1 \(options: 2\)"):
+        run(replace(BASE, n_blocks=2, max_steps=1, init_from=str(first)), features, tmp_path / "c.safetensors", parts)
+
+
 def test_sigterm_stops_the_cli_at_a_step_boundary_with_a_checkpoint_and_a_draft(features, parts, model_path, tmp_path):
     out = tmp_path / "d.safetensors"
     ckpt = tmp_path / "d.train" / "checkpoint.pt"
