@@ -8,8 +8,8 @@ memory-bound 7B laptop).  Replaying each prompt's ``Round`` records against a cu
     projected decode speedup = sum(emitted tokens) / sum(t(rows)/t(1) + draft steps x step/t(1))
 
 against plain decoding, which pays t(1) per token.  A round verifies drafted + 1 rows; a
-draft-model chain costs one draft step per drafted token, a shadow probe (no rows drafted,
-draft time spent) one step, a prompt-lookup round none.  Tree rounds are priced at one step
+draft-model chain costs one draft step per drafted token, a shadow probe (no rows drafted)
+one step per token it drafted, a prompt-lookup round none.  Tree rounds are priced at one step
 per drafted node, an upper bound (a tree drafts a whole level per forward).  Prefill and the
 orchestrator's own per-round overhead are left out: these are projections of decode speed,
 labelled as such wherever they are printed.
@@ -71,8 +71,10 @@ def round_cost(row: Sequence[Any], curve: CostCurve) -> float:
         steps = 0
     elif drafted > 0:
         steps = drafted
+    elif len(row) > _I["shadow"]:
+        steps = row[_I["shadow"]]  # a shadow probe: the draft ran that many steps, no row was added
     else:
-        steps = 1 if draft_s > 0 else 0  # a shadow probe: the draft ran, no row was added
+        steps = 1 if draft_s > 0 else 0  # bench.json from before "shadow": its shadow probes drafted one
     return curve.verify_ratio(drafted + 1) + steps * curve.draft_step_ms / curve.verify_ms[1]
 
 

@@ -80,6 +80,9 @@ class FixedPolicy:
     def observe_shadow(self, source: str, p_accept: float) -> None:
         pass
 
+    def observe_probe(self, drafted_depth: int, accepted: int) -> None:
+        pass
+
     def expects_drafting(self) -> bool:
         return self.shape.depth > 0
 
@@ -319,8 +322,8 @@ class AutoPolicy:
     def _probe_depth(self) -> int:
         """The depth a draft probe drafts to: the best chain on the curve alone (no margin, no
         measured correction).  A probe only one deep teaches nothing about depths 2 and beyond.
-        (A greedy chain probe still runs one deep, as a shadow probe that verifies nothing:
-        ``spec/orchestrator.py``; this depth is what a verified probe drafts.)"""
+        (A greedy chain probe drafts this deep too, but verifies nothing: the target's next tokens
+        check it, ``spec.orchestrator.ShadowChain``.)"""
         return self._best_drafted(1, 0, 1.0)[0]
 
     def _near_break_even(self) -> bool:
@@ -372,6 +375,14 @@ class AutoPolicy:
             self._draft_probe.settle(self.expects_drafting() or self._near_break_even())
         elif self._probing == "lookup":
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
+
+    def observe_probe(self, drafted_depth: int, accepted: int) -> None:
+        """The settled evidence of a greedy shadow probe handed out earlier (``spec.orchestrator.
+        ShadowChain``): its chain of ``drafted_depth`` tokens would have had ``accepted`` accepted.
+        It arrives once the target's own tokens have settled it, possibly rounds later."""
+        self.stats.observe(drafted_depth, accepted)
+        self._best_shape = None
+        self._draft_probe.settle(self.expects_drafting() or self._near_break_even())
 
     def observe_shadow(self, source: str, p_accept: float) -> None:
         """A plain round checked a proposal of ``source`` it did not verify: ``p_accept`` is the

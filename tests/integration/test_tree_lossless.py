@@ -198,6 +198,67 @@ def test_sampled_lookup_evidence_is_a_probability_and_leaves_the_draws_alone(hs)
     assert max(policy.shadows) > 0.5  # repeating the sentence: lookup's guesses are likely
 
 
+class ShadowProbeEvery(FixedPolicy):
+    """Plain rounds with a greedy probe of ``depth`` drafted tokens every ``every`` rounds; records
+    the evidence the probes settle into."""
+
+    def __init__(self, every: int, depth: int) -> None:
+        super().__init__(Shape(0))
+        self.every, self.depth, self.rounds, self.settled = every, depth, 0, []
+
+    def choose(self, lookup: int = 0) -> Shape:
+        self.rounds += 1
+        return Shape(self.depth, probe=True) if self.rounds % self.every == 0 else Shape(0)
+
+    def wants_rows(self, within: int) -> bool:
+        return True  # every plain row reaches the draft, so each probe starts from real rows
+
+    def observe_probe(self, drafted_depth: int, accepted: int) -> None:
+        self.settled.append((drafted_depth, accepted))
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.4, 1.0])
+def test_greedy_shadow_probes_draft_a_chain_that_the_next_tokens_settle(hs, monkeypatch, error_rate):
+    """A greedy probe drafts 3 tokens and verifies none: the target's next tokens say how many a
+    verified chain would have accepted, and that is what the policy is told; the output is plain."""
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=60, draft_len=0).tokens
+    draft = OracleTreeDraft(prompt + plain, error_rate=error_rate, seed=4)
+    out: list[int] = []
+    probes: list[tuple[int, list[int]]] = []  # (output position of the probe round's token, guesses)
+    propose = draft.propose
+    monkeypatch.setattr(draft, "propose", lambda f, t, k: probes.append((len(out), propose(f, t, k))) or probes[-1][1])
+    policy = ShadowProbeEvery(every=5, depth=3)
+    hs.target.reset()
+    shadow_rounds = []
+    for step in generate_tokens(hs.target, draft, prompt, max_new_tokens=60, draft_len=1, policy=policy):
+        out.extend(step.tokens)
+        if step.round and step.round.shadow:
+            shadow_rounds.append(step.round)
+    assert out == plain
+    assert len(probes) == len(shadow_rounds) >= 8
+    assert all(r.shadow == 3 and r.drafted == 0 and r.draft_s > 0 for r in shadow_rounds)
+    expected = []
+    for pos, guesses in probes:
+        target = plain[pos : pos + 3]
+        matched = next((i for i, (g, t) in enumerate(zip(guesses, target)) if g != t), len(target))
+        if matched < len(target):
+            expected.append((3, matched))  # settled at the first mismatch
+        elif len(target) == 3:
+            expected.append((3, 3))
+        elif matched:
+            expected.append((matched, matched))  # cut short by the end: the checked depths
+    assert policy.settled == expected
+    if error_rate == 0.0:
+        assert all(a == 3 for _, a in policy.settled[:-1])
+    if error_rate == 0.4:
+        assert len({a for _, a in policy.settled}) >= 2  # partial chains: the settling point varies
+    if error_rate == 1.0:
+        assert all(a == 0 for _, a in policy.settled)
+    assert draft.n <= len(prompt) + len(plain)  # the drafted tokens' cells were rolled back
+
+
 def test_auto_output_equals_plain(hs, plain_outputs):
     p = PROMPTS[0]
     assert hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len="auto").tokens == plain_outputs[p]

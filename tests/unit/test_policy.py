@@ -95,6 +95,35 @@ def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     assert policy.choose().depth > 0 and policy.probe_gap == 4
 
 
+def test_shadow_probe_evidence_settles_the_probe_gap_and_teaches_every_depth_it_checked():
+    """A greedy probe's chain is settled rounds later (``observe_probe``), after other rounds have
+    been chosen: rejected chains still double the gap, and accepted ones raise the estimates of
+    every depth they reached, until drafting pays and the gap resets."""
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0, draft_decay=1.0)
+    for _ in range(50):
+        policy.observe(1, 0)
+
+    def probe_then_settle(accepted: int) -> int:
+        n = 0
+        while not policy.choose().probe:
+            n += 1
+        for _ in range(3):  # the chain is checked by the next rounds' tokens
+            assert policy.choose().depth == 0
+        policy.observe_probe(3, accepted)
+        return n + 1
+
+    assert [probe_then_settle(0) for _ in range(3)] == [4, 8 - 3, 16 - 3]  # the 3 checking rounds count
+    reached_2 = policy.stats.reached[2]
+    for _ in range(50):
+        if policy.expects_drafting():
+            break
+        probe_then_settle(3)
+    assert policy.expects_drafting()
+    assert policy.stats.reached[2] > reached_2 and policy.stats.alpha(3) > 0.5
+    assert policy.probe_gap == 4
+
+
 def test_plain_rounds_want_the_targets_rows_only_shortly_before_a_probe():
     policy = AutoPolicy(curve(10.0, 3.0, 0.9), max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0,
                         draft_decay=1.0)

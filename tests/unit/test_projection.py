@@ -14,11 +14,12 @@ from hetero_spec.errors import HeteroSpecError
 from hetero_spec.records import Round
 
 
-def rnd(drafted: int, accepted: int, *, emitted: int | None = None, draft_s: float = 0.0, source: str = "draft"):
+def rnd(drafted: int, accepted: int, *, emitted: int | None = None, draft_s: float = 0.0, source: str = "draft",
+        shadow: int = 0):
     """A ROUND_FIELDS row as the bench stores it (through round_row, so the layout is the real one)."""
     r = Round(drafted=drafted, accepted=accepted, emitted=accepted + 1 if emitted is None else emitted,
               draft_s=draft_s, verify_s=0.01, overhead_s=0.001, bytes_to_target=4 * (drafted + 1), bytes_to_draft=0,
-              source=source)
+              source=source, shadow=shadow)
     return round_row(r)
 
 
@@ -43,7 +44,8 @@ def test_draft_steps_are_priced_per_drafted_token_and_lookup_is_free():
     curve = CostCurve({1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0}, draft_step_ms=5.0)  # a step costs half a decode
     assert round_cost(rnd(2, 2), curve) == pytest.approx(1 + 2 * 0.5)
     assert round_cost(rnd(2, 2, source="lookup"), curve) == pytest.approx(1.0)
-    assert round_cost(rnd(0, 0, draft_s=0.002), curve) == pytest.approx(1.5)  # a shadow probe: one step, one row
+    assert round_cost(rnd(0, 0, draft_s=0.002, shadow=3), curve) == pytest.approx(2.5)  # a shadow probe: 3 steps, 1 row
+    assert round_cost(rnd(0, 0, draft_s=0.002)[:-1], curve) == pytest.approx(1.5)  # a bench.json before "shadow"
     assert round_cost(rnd(0, 0), curve) == pytest.approx(1.0)  # a plain round
     assert replay([rnd(2, 2), rnd(2, 2, source="lookup")], curve).speedup == pytest.approx(6 / 3.0)
 
@@ -58,7 +60,7 @@ def test_interpolated_curve_and_truncated_rounds():
 def test_round_row_layout_matches_fields():
     row = rnd(2, 1, draft_s=0.5, source="lookup")
     assert dict(zip(ROUND_FIELDS, row)) == {"drafted": 2, "accepted": 1, "emitted": 2, "draft_s": 0.5,
-                                            "verify_s": 0.01, "overhead_s": 0.001, "source": "lookup"}
+                                            "verify_s": 0.01, "overhead_s": 0.001, "source": "lookup", "shadow": 0}
 
 
 def _record(method: str, index: int, rounds: list, wall_s: float, prefill_s: float, new_tokens: int) -> PromptRecord:
