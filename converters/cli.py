@@ -135,6 +135,8 @@ def merge_features(out_dir, parts) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--source", default="sharegpt", show_default=True, help="ShareGPT/OpenAI JSON(L); 'sharegpt' = the package")
 @click.option("--limit", type=click.IntRange(1), help="conversations to take after shuffling (default: all)")
+@click.option("--offset", default=0, show_default=True, type=click.IntRange(0),
+              help="conversations to skip after shuffling, before --limit (the rest of an earlier corpus's shuffle)")
 @click.option("--seed", default=0, show_default=True, help="shuffle of the source")
 @click.option("--turns", default=2, show_default=True, type=click.IntRange(1, 2),
               help="assistant turns the target answers (the second after its own first answer)")
@@ -150,12 +152,12 @@ def merge_features(out_dir, parts) -> None:
               help="this process's part i/N of the selection, into its own OUT_DIR (train reads all parts)")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
 @_TEMPLATE_OPTION
-def generate_corpus(model, out_dir, source, limit, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
+def generate_corpus(model, out_dir, source, limit, offset, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
                     no_features, chunk, shard, threads, template) -> None:
     """Answer ShareGPT prompts with the target itself (greedy, many at once) into a resumable training corpus."""
     from .corpus import CorpusConfig, generate_corpus as run
 
-    m = run(CorpusConfig(model=model, out=out_dir, source=source, limit=limit, seed=seed, turns=turns,
+    m = run(CorpusConfig(model=model, out=out_dir, source=source, limit=limit, offset=offset, seed=seed, turns=turns,
                          max_new_tokens=max_new_tokens, max_prompt=max_prompt, n_seq=n_seq, threads=threads,
                          chunk=chunk, features=not no_features, taps=taps, template=template, shard=shard))
     c, d = m["counts"], m["decontamination"]

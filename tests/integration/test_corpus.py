@@ -153,3 +153,17 @@ def test_shards_split_the_selection_and_keep_their_own_resume_point(made, model_
     assert len(set(got)) == len(got) and set(got) == set(want)  # the same first prompts, each once
     with pytest.raises(CorpusError, match="other settings"):
         generate_corpus(config(model_path, source, tmp_path / "p0", shard=(1, 2), turns=1), progress=False)
+
+
+def test_offset_answers_the_rest_of_the_shuffle_an_earlier_limit_left(made, model_path, source, tmp_path):
+    """--limit L then --offset L on the same seed: two corpora of disjoint conversations that together
+    are the whole selection (how a later session answers conversations an earlier draft never saw)."""
+    whole, _ = made
+    first = generate_corpus(config(model_path, source, tmp_path / "a", limit=3, turns=1), progress=False)
+    rest = generate_corpus(config(model_path, source, tmp_path / "b", offset=3, turns=1), progress=False)
+    assert rest["options"]["offset"] == 3 and "offset" not in first["options"]
+    prompt = lambda s: tuple(s.input_ids[: int(s.loss_mask.argmax())])  # noqa: E731  (up to the first answer)
+    a = {prompt(s) for s in iter_sequences(tmp_path / "a" / "features")}
+    b = {prompt(s) for s in iter_sequences(tmp_path / "b" / "features")}
+    assert a and b and not a & b  # (decontamination drops 2 of the 10, on either side of the cut)
+    assert a | b == {prompt(s) for s in iter_sequences(whole / "features")}
