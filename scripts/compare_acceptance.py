@@ -11,6 +11,9 @@ The three columns separate the causes of a gap:
   TF all positions   the trainer's held-out estimate restricted to this text: which positions
                      the rounds happen to start at (after a rejection, mostly harder ones).
 
+Teacher forcing scores the rows the runner scores: the draft's head plus, for a reduced head, the
+target's rows of the tokens so far (context rows); the trainer's held-out figures score the head alone.
+
     python scripts/compare_acceptance.py MODEL DRAFT --n-prompts 20 -k 4 --draft-dtype auto -t 2
 """
 from __future__ import annotations
@@ -28,6 +31,22 @@ from hetero_spec.config import DRAFT_DTYPES
 from hetero_spec.train.unroll import unrolled_forward
 
 
+def head_rows(model, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows the runner scores for a chain starting at each row s, as it does at run time: the draft's
+    own rows plus the target's rows of every token up to x_{s+1} (context rows, draft/context_head.py).
+    Returns (rows [n_vocab, n_embd], allowed [T, n_vocab] bool), or (the draft's head, None) for a head
+    that takes no context rows."""
+    if model.target_head is None:
+        return model.head, None
+    n_vocab = model.target_head.shape[0]
+    first = np.full(n_vocab, len(ids) + 1)
+    np.minimum.at(first, ids, np.arange(len(ids)))  # first position of each token in the text
+    own = np.zeros(n_vocab, dtype=bool)
+    own[model.d2t.numpy()] = True
+    allowed = own[None, :] | (first[None, :] <= np.arange(len(ids))[:, None] + 1)
+    return model.target_head, torch.from_numpy(allowed)
+
+
 def teacher_forced(hs: HeteroSpec, model, ids: list[int], k: int) -> np.ndarray:
     """[len(ids), k+1]: for chain start s (row s = f_s with x_{s+1}), whether step j's argmax is x_{s+j+2},
     and in the last column the accepted length (leading matches, capped at the tokens that exist)."""
@@ -41,8 +60,13 @@ def teacher_forced(hs: HeteroSpec, model, ids: list[int], k: int) -> np.ndarray:
         steps = unrolled_forward(model, x, nxt, torch.ones(1, T, dtype=torch.bool), k)
     out = np.zeros((T, k + 1), dtype=np.int64)
     ids_arr = np.asarray(ids)
+    rows, allowed = head_rows(model, ids_arr)
     for j, st in enumerate(steps):
-        pred = model.d2t[(st.features[0] @ model.head.t()).argmax(-1)].numpy()
+        logits = st.features[0] @ rows.t()
+        if allowed is None:
+            pred = model.d2t[logits.argmax(-1)].numpy()
+        else:
+            pred = logits.masked_fill_(~allowed, float("-inf")).argmax(-1).numpy()
         s = np.arange(T)
         ok = s + j + 2 < T
         out[ok, j] = pred[ok] == ids_arr[s[ok] + j + 2]

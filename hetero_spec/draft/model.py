@@ -214,6 +214,7 @@ class DraftModel(nn.Module):
         self.register_buffer("d2t", torch.arange(n_head, dtype=torch.int64), persistent=bool(cfg.reduced_vocab))
         self.register_buffer("embed", torch.zeros(0, cfg.n_embd), persistent=False)
         self.register_buffer("head", torch.zeros(0, cfg.n_embd), persistent=False)
+        self.target_head: torch.Tensor | None = None  # [n_vocab, n_embd], set by attach_target_weights
         if cfg.own_head:  # [n_head, n_embd], row i for target id d2t[i]
             self.register_buffer("own_head", torch.zeros(n_head, cfg.n_embd))
         if cfg.own_embed:  # [n_vocab, n_embd]
@@ -223,6 +224,9 @@ class DraftModel(nn.Module):
         """embedding, head: [n_vocab, n_embd] from the GGUF; the head is cut to ``d2t`` rows.  A draft's
         own head rows or embedding (``cfg.own_head`` / ``cfg.own_embed``) take the place of the target's."""
         self.embed = self.own_embed if self.cfg.own_embed else embedding
+        # the target's whole head, kept (not a buffer: never saved or cast) for the runner's context rows
+        # (context_head.py); None where its rows would not match this head's
+        self.target_head = head if self.cfg.reduced_vocab and not self.cfg.own_head else None
         if self.cfg.own_head:
             self.head = self.own_head
         else:

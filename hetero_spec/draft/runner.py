@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from ..errors import DraftError
 from ..cpu_features import cpu_has_bf16
 from .int8 import (FLOAT_MODULES, HEAD, INT8_MAX_ERROR, INT8_MIN_AGREEMENT, Int8Calibration, Int8Check, RescoredInt8Head,
                    calibrate_int8, int8_available, quantize_linears)
+from .context_head import ContextHead
 from .model import DraftModel
 
 
@@ -151,11 +153,13 @@ class DraftRunner:
         cpu_threads: int = 1,
         calibration: tuple[np.ndarray, np.ndarray] | None = None,
         int8_calibration: Int8Calibration | None = None,
+        context_rows: bool = True,
     ) -> None:
         """``calibration``: real rows (features [n, n_in] float32, next tokens [n]) on which int8 weights are
         smoothed and both int8 modes checked; without them, unit-RMS embedding rows stand in (less
         faithful: they lack the target features' outlier channels).  ``int8_calibration``: the result of
-        an earlier such check (``self.int8_calibration``), which skips it."""
+        an earlier such check (``self.int8_calibration``), which skips it.  ``context_rows``: a reduced head
+        also scores the target's rows of tokens passed to ``add_context`` (context_head.py)."""
         self.device = resolve_device(device)
         self.dtype, int8_request = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
@@ -184,14 +188,16 @@ class DraftRunner:
         if self.weights.startswith("int8"):
             reduced, smooth = self.weights == "int8-reduced", self.int8_calibration.smooth
             quantize_linears(self.model, reduced, smooth, skip=FLOAT_MODULES)
-            self._head = RescoredInt8Head(self.model.head, reduced, smooth[HEAD])
+            base = RescoredInt8Head(self.model.head, reduced, smooth[HEAD])
         else:
             head_t = self.model.head.t()
-            self._head = lambda feat: feat @ head_t
+            base = lambda feat: feat @ head_t  # noqa: E731
+        # the head rows, plus the target's rows of tokens seen in the text (add_context)
+        self._head = ContextHead(base, self.model.d2t.cpu().numpy(), model.target_head if context_rows else None,
+                                 dtype=self.dtype, device=self.device)
         self.cfg = model.cfg
         self.denoise = denoise
         self._log_threshold = math.log(denoise.threshold) if denoise.threshold > 0 else None
-        self._d2t = self.model.d2t.cpu().numpy()  # head row -> target id, for host-side bookkeeping
         self.cache = self._new_cache()
         self._zeros = torch.zeros(self.cfg.max_positions, device=self.device)
 
@@ -217,13 +223,25 @@ class DraftRunner:
     def max_positions(self) -> int:
         return self.cfg.max_positions
 
+    @property
+    def _d2t(self) -> np.ndarray:
+        return self._head.d2t  # [n_rows] head row -> target id, including context rows
+
     def reset(self) -> None:
         self.cache.n = 0
+        self._head.clear()
 
     def rollback(self, n_keep: int) -> None:
         if not 0 <= n_keep <= self.cache.n:
             raise DraftError(f"draft rollback to {n_keep} outside 0..{self.cache.n}")
         self.cache.n = n_keep
+        if n_keep == 0:
+            self._head.clear()  # nothing of the old text is left to copy from
+
+    def add_context(self, tokens: Sequence[int]) -> int:
+        """Tokens of the text (the prompt, accepted tokens): a reduced head gains the target's rows of those
+        it lacks, so the draft can propose what the target copies.  Returns the number of rows added."""
+        return self._head.add(tokens)
 
     def skip(self, n: int) -> None:
         """Advance over ``n`` positions whose target features were never computed (a prompt
@@ -251,7 +269,7 @@ class DraftRunner:
         x, feat = x[:, -1:], feat[:, -1:]  # [1, 1, hidden], [1, 1, n_embd]
         out: list[int] = []
         for j in range(k):
-            tok = self.model.d2t[self._head(feat[0]).argmax()]
+            tok = self._head.d2t_t[self._head(feat[0]).argmax()]
             out.append(int(tok))
             if j + 1 < k:
                 x, feat = self._forward(self.model.drafted_input(x, feat), tok.view(1, 1))

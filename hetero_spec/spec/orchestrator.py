@@ -59,6 +59,7 @@ class Draft(Protocol):
     def rollback(self, n_keep: int) -> None: ...
     def skip(self, n: int) -> None: ...
     def prefill(self, features: np.ndarray, tokens: Sequence[int]) -> None: ...
+    def add_context(self, tokens: Sequence[int]) -> int: ...  # tokens of the text, for a reduced head's rows
 
 
 @dataclass
@@ -176,6 +177,7 @@ def generate_tokens(
     real = max(keep, hidden_from or 0)  # first position with a computed feature
     if real > keep:
         draft.skip(real - keep)
+    draft.add_context(list(prompt) + [x])  # the prompt's tokens (even those lazy prefill skips) become proposable
     pending = _Pending([hidden[real - keep :].copy()], list(prompt[real + 1 :]) + [x] if real < len(prompt) else [])
     if len(pending.next_tokens) > CATCHUP_ROWS:
         # The prefill computed these prompt rows for the draft on purpose (a lazy one skips them): the
@@ -196,6 +198,7 @@ def generate_tokens(
         else:
             step, x, pending = _spec_round(target, draft, x, pending, draft_len, left)
         left -= len(step.tokens)
+        draft.add_context(step.tokens)
         if lookup is not None:
             lookup.extend(step.tokens)
         if step.stop_reason:

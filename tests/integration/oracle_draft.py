@@ -19,6 +19,7 @@ class OracleDraft:
         self.cell_tokens: list[int] = []  # cell i was computed from x_{i+1}
         self.max_positions = max_positions
         self.features_seen = 0
+        self.context: list[int] = []  # the text as the orchestrator reports it (add_context)
 
     @property
     def n(self) -> int:
@@ -30,6 +31,10 @@ class OracleDraft:
 
     def skip(self, n: int) -> None:
         self.cell_tokens.extend([-1] * n)  # positions whose features were never computed
+
+    def add_context(self, tokens) -> int:
+        self.context.extend(int(t) for t in tokens)
+        return 0
 
     def prefill(self, features: np.ndarray, tokens) -> None:
         assert features.shape[0] == len(tokens) and features.dtype == np.float32

@@ -44,6 +44,7 @@ def test_partially_right_draft_output_equals_plain(hs, plain_outputs, k):
         accepted_counts |= {r.accepted for r in rounds}
         # every hidden row the draft saw belongs to an accepted token (or the prompt)
         assert draft.features_seen <= len(prompt) + len(tokens)
+        assert draft.context == prompt + tokens  # the text reaches the draft's context rows, each token once
     assert accepted_counts == set(range(k + 1)), f"not every acceptance length was exercised: {accepted_counts}"
 
 

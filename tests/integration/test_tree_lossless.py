@@ -74,6 +74,7 @@ def test_oracle_tree_output_equals_plain(hs, plain_outputs, width, total, depth)
         steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=N_NEW, draft_len=depth,
                                      policy=FixedPolicy(Shape(depth, width, total))))
         assert [t for s in steps for t in s.tokens] == plain_outputs[p], f"diverged on {p[:50]!r}"
+        assert draft.context == prompt + plain_outputs[p]  # the text reaches the context rows, each token once
         seen |= {s.round.accepted for s in steps if s.round}
     assert len(seen) >= 3, f"acceptance lengths exercised: {seen}"
     assert width == 1 or any(s.round.drafted > depth for s in steps if s.round)  # branches were drafted
