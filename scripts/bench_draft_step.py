@@ -3,7 +3,8 @@
     python scripts/bench_draft_step.py MODEL.gguf [--steps 200]
 
 Prints the median time of a one-token draft step (fusion, blocks, head, argmax) for each
-setting, measured with the real runner and the target's real embedding/head.
+setting, measured with the real runner and the target's real embedding/head; a reduced head is
+also timed with ``--context-rows`` context rows added (the target's rows of tokens in the text).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--steps", default=200, show_default=True)
 @click.option("--context", default=300, show_default=True, help="cached positions before timing")
-def main(model: str, steps: int, context: int) -> None:
+@click.option("--context-rows", default=300, show_default=True,
+              help="also time a reduced head with this many context rows added (0: skip)")
+def main(model: str, steps: int, context: int, context_rows: int) -> None:
     from hetero_spec.draft.model import DraftModel, init_weights
     from hetero_spec.draft.runner import DraftRunner
     from hetero_spec.draft_factory import draft_config_for
@@ -32,7 +35,8 @@ def main(model: str, steps: int, context: int) -> None:
     emb, head = torch.from_numpy(np.array(w.embedding)), torch.from_numpy(np.array(w.head))
     rng = np.random.default_rng(0)
     for blocks, cfg0 in base.items():
-        for reduced in (8192, 0):
+        heads = [(8192, 0)] + ([(8192, context_rows)] if context_rows else []) + [(0, 0)]  # (rows, context rows)
+        for reduced, added in heads:
             for dtype in ("float32", "bfloat16", "int8"):
                 from dataclasses import replace
                 cfg = replace(cfg0, reduced_vocab=reduced)
@@ -41,6 +45,7 @@ def main(model: str, steps: int, context: int) -> None:
                 r = DraftRunner(m, device="cpu", dtype=dtype)
                 feats = rng.standard_normal((context, cfg.n_embd)).astype(np.float32)
                 r.propose(feats, rng.integers(0, 1000, context), 1)
+                r.add_context(np.setdiff1d(np.arange(cfg.n_vocab), r._d2t)[:added])  # context rows (reduced heads)
                 times = []
                 for _ in range(steps):
                     n = r.n
@@ -49,7 +54,8 @@ def main(model: str, steps: int, context: int) -> None:
                     times.append(time.perf_counter() - t0)
                     r.rollback(n)
                 med = statistics.median(times) * 1e3
-                click.echo(f"blocks={blocks} head={'full' if not reduced else reduced:>5} {dtype:9s} {med:.3f} ms/step")
+                rows = "full" if not reduced else f"{reduced}+{added}"
+                click.echo(f"blocks={blocks} head={rows:>9} {dtype:9s} {med:.3f} ms/step")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ The three columns separate the causes of a gap:
 
 Teacher forcing scores the rows the runner scores: the draft's head plus, for a reduced head, the
 target's rows of the tokens so far (context rows); the trainer's held-out figures score the head alone.
+``--also-rows head,full`` adds "TF all" with the draft's own rows alone and with every target row (what
+a full head would reach), on the same text.
 
     python scripts/compare_acceptance.py MODEL DRAFT --n-prompts 20 -k 4 --draft-dtype auto -t 2
 """
@@ -31,13 +33,19 @@ from hetero_spec.config import DRAFT_DTYPES
 from hetero_spec.train.unroll import unrolled_forward
 
 
-def head_rows(model, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows the runner scores for a chain starting at each row s, as it does at run time: the draft's
-    own rows plus the target's rows of every token up to x_{s+1} (context rows, draft/context_head.py).
-    Returns (rows [n_vocab, n_embd], allowed [T, n_vocab] bool), or (the draft's head, None) for a head
-    that takes no context rows."""
-    if model.target_head is None:
+ROW_SETS = ("context", "head", "full")
+
+
+def head_rows(model, ids: np.ndarray, which: str = "context") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows scored for a chain starting at each row s. "context", as the runner does: the draft's own
+    rows plus the target's rows of every token up to x_{s+1} (draft/context_head.py); "head": the draft's
+    rows alone (the trainer's held-out figures); "full": every target row (an upper bound for widening
+    the head).  Returns (rows [n_vocab, n_embd], allowed [T, n_vocab] bool), or (the draft's head, None)
+    where only the draft's own rows count."""
+    if model.target_head is None or which == "head":
         return model.head, None
+    if which == "full":
+        return model.target_head, torch.ones(len(ids), model.target_head.shape[0], dtype=torch.bool)
     n_vocab = model.target_head.shape[0]
     first = np.full(n_vocab, len(ids) + 1)
     np.minimum.at(first, ids, np.arange(len(ids)))  # first position of each token in the text
@@ -47,7 +55,7 @@ def head_rows(model, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None
     return model.target_head, torch.from_numpy(allowed)
 
 
-def teacher_forced(hs: HeteroSpec, model, ids: list[int], k: int) -> np.ndarray:
+def teacher_forced(hs: HeteroSpec, model, ids: list[int], k: int, rows: str = "context") -> np.ndarray:
     """[len(ids), k+1]: for chain start s (row s = f_s with x_{s+1}), whether step j's argmax is x_{s+j+2},
     and in the last column the accepted length (leading matches, capped at the tokens that exist)."""
     hs.target.reset()
@@ -60,9 +68,9 @@ def teacher_forced(hs: HeteroSpec, model, ids: list[int], k: int) -> np.ndarray:
         steps = unrolled_forward(model, x, nxt, torch.ones(1, T, dtype=torch.bool), k)
     out = np.zeros((T, k + 1), dtype=np.int64)
     ids_arr = np.asarray(ids)
-    rows, allowed = head_rows(model, ids_arr)
+    head, allowed = head_rows(model, ids_arr, rows)
     for j, st in enumerate(steps):
-        logits = st.features[0] @ rows.t()
+        logits = st.features[0] @ head.t()
         if allowed is None:
             pred = model.d2t[logits.argmax(-1)].numpy()
         else:
@@ -88,7 +96,11 @@ def main() -> None:
     ap.add_argument("--draft-dtype", default="auto", choices=DRAFT_DTYPES)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--also-rows", default="", help="comma-separated from head,full: TF all with those rows too")
     a = ap.parse_args()
+    also = [r for r in a.also_rows.split(",") if r]
+    if any(r not in ROW_SETS[1:] for r in also):
+        ap.error(f"--also-rows takes {', '.join(ROW_SETS[1:])}")
     report = {}
     with HeteroSpec(a.model, a.draft, n_ctx=4096, threads=a.threads, draft_device="cpu", draft_dtype=a.draft_dtype) as hs:
         model = hs.draft.model if hs.draft.weights.startswith("float32") else None
@@ -99,6 +111,7 @@ def main() -> None:
         print(f"draft runs as {hs.draft.weights}")
         for name in a.datasets.split(","):
             meas_first, meas_len, tf_first, tf_len, all_first, all_len = [], [], [], [], [], []
+            also_len = {rows: [] for rows in also}
             for prompt in load_dataset(name, a.n_prompts).prompts:
                 msgs = [{"role": "user", "content": prompt}]
                 hs.reset()
@@ -118,15 +131,20 @@ def main() -> None:
                 answer = range(len(p_ids) - 1, len(ids) - 2)
                 all_first += [bool(tf[s, 0]) for s in answer]
                 all_len += [int(tf[s, a.k]) + 1 for s in answer]
+                for rows in also:
+                    other = teacher_forced(hs, model, ids, a.k, rows)
+                    also_len[rows] += [int(other[s, a.k]) + 1 for s in answer]
             report[name] = dict(rounds=len(meas_len), measured_first=float(np.mean(meas_first)),
                                 tf_rounds_first=float(np.mean(tf_first)), tf_all_first=float(np.mean(all_first)),
                                 measured_len=float(np.mean(meas_len)), tf_rounds_len=float(np.mean(tf_len)),
-                                tf_all_len=float(np.mean(all_len)))
+                                tf_all_len=float(np.mean(all_len)),
+                                **{f"tf_all_len_{rows}": float(np.mean(v)) for rows, v in also_len.items()})
             r = report[name]
             print(f"{name:10s} first-token acceptance: measured {r['measured_first']:.3f}, TF at rounds "
                   f"{r['tf_rounds_first']:.3f}, TF all {r['tf_all_first']:.3f} | accepted length (k={a.k}): "
                   f"measured {r['measured_len']:.2f}, TF at rounds {r['tf_rounds_len']:.2f}, TF all "
-                  f"{r['tf_all_len']:.2f}", flush=True)
+                  f"{r['tf_all_len']:.2f}" + "".join(f", TF all with {rows} rows {np.mean(v):.2f}"
+                                                     for rows, v in also_len.items()), flush=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=2))
 
