@@ -51,11 +51,25 @@ hetero-spec train "${FEATS[@]}" --out "$DATA/drafts/smollm2-135m-eagle3.safetens
   --loss-weights '{"logit": 0, "feature": 0, "gate": 0, "token_weighting": false}' "${common[@]}" &
 wait
 
+# 2b. the shipped darter was then continued on the rest of the shuffle, conversations step 1 never
+#     answered (--offset 9500: 7,439 conversations, 1.83M generated assistant tokens; 68 minutes on both
+#     cores of a 2-core AVX-512 EPYC), for 45 minutes of steps on two threads (drafts/README.md, stop 24)
+for i in 0 1; do
+  hetero-spec generate-corpus "$MODEL" "$DATA/corpus-new-$i" --offset 9500 --limit 8000 --seed 0 --shard "$i/2" \
+    --n-seq 16 --taps "$TAPS" --chunk 256 -t 1 &
+done
+wait
+hetero-spec train "$DATA/corpus-new-0/features" "$DATA/corpus-new-1/features" --variant darter \
+  --out "$DATA/drafts/smollm2-135m-darter-continued.safetensors" --init-from "$DATA/drafts/smollm2-135m-darter.safetensors" \
+  --lr 3e-4 --target "$MODEL" --taps "$TAPS" --blocks 1 --unroll 3 --chain-sample 0.33 --max-len 2048 --epochs 100 \
+  --loop-keep 32 --threads 2 --eval-every 200 --checkpoint-every 25 --time-budget 45 --budget-clock wall --resume
+
 # 3. ship, only with SHIP=1: after `hetero-spec bench MODEL DRAFT --methods raw,chain-k4 --n-prompts 20`
 #    shows the new drafts beat the shipped ones (the held-out estimate on this corpus overstates bench
 #    acceptance: docs/training.md)
 if [[ "${SHIP:-0}" == 1 ]]; then
-  cp "$DATA/drafts/smollm2-135m-darter.safetensors" "$DATA/drafts/smollm2-135m-eagle3.safetensors" drafts/
-  cp "$DATA/drafts/smollm2-135m-darter.train/training.png" drafts/smollm2-135m-darter.training.png
+  cp "$DATA/drafts/smollm2-135m-darter-continued.safetensors" drafts/smollm2-135m-darter.safetensors
+  cp "$DATA/drafts/smollm2-135m-eagle3.safetensors" drafts/
+  cp "$DATA/drafts/smollm2-135m-darter-continued.train/training.png" drafts/smollm2-135m-darter.training.png
   cp "$DATA/drafts/smollm2-135m-eagle3.train/training.png" drafts/smollm2-135m-eagle3.training.png
 fi
