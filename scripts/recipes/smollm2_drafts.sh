@@ -61,8 +61,7 @@ done
 wait
 hetero-spec train "$DATA/corpus-new-0/features" "$DATA/corpus-new-1/features" --variant darter \
   --out "$DATA/drafts/smollm2-135m-darter-continued.safetensors" --init-from "$DATA/drafts/smollm2-135m-darter.safetensors" \
-  --lr 3e-4 --target "$MODEL" --taps "$TAPS" --blocks 1 --unroll 3 --chain-sample 0.33 --max-len 2048 --epochs 100 \
-  --loop-keep 32 --threads 2 --eval-every 200 --checkpoint-every 25 --time-budget 45 --budget-clock wall --resume
+  --lr 3e-4 "${common[@]}" --threads 2 --time-budget 45 --budget-clock wall  # click keeps an option's last value
 
 # 3. ship, only with SHIP=1: after `hetero-spec bench MODEL DRAFT --methods raw,chain-k4 --n-prompts 20`
 #    shows the new drafts beat the shipped ones (the held-out estimate on this corpus overstates bench
