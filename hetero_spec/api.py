@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .calibration import CostCurve
 
 QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
+QUICK_FOCUS = (1, 2, 3, 4, 5)  # ... nine times each, not three: auto's plain-or-chain choice rests on them
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 AUTO_LOOKUP_DEPTH = 4  # longest prompt-lookup chain auto considers
 
@@ -175,9 +176,10 @@ class HeteroSpec:
                 from tqdm import tqdm
 
                 # a dozen row counts (interpolated between) keep the first run's wait short
-                with tqdm(total=2 * 3 * len(QUICK_ROWS), desc="calibrating (once)", unit="decode",
-                          leave=False, file=sys.stderr) as bar:
+                total = 2 * 3 * len(QUICK_ROWS) + (9 - 3) * len(QUICK_FOCUS)
+                with tqdm(total=total, desc="calibrating (once)", unit="decode", leave=False, file=sys.stderr) as bar:
                     self._curve = measure(self.target, self.draft, ns=QUICK_ROWS, repeats=3, progress=bar.update,
+                                          focus=QUICK_FOCUS, focus_repeats=9,
                                           model=f"{self.target.path.name} + {Path(self.draft_path).name}")
                 save(self._curve, path)
         return self._curve

@@ -177,8 +177,15 @@ def measure(
     quick: bool = False,
     progress: Callable[[int], None] | None = None,
     model: str = "",
+    focus: Iterable[int] = (),
+    focus_repeats: int = 9,
 ) -> CostCurve:
     """Time t(n) for each n (median over ``repeats``), the draft step and draft row forwards.
+
+    ``focus``: rows timed ``focus_repeats`` times however few ``repeats`` are.  Auto's choice between
+    plain rounds and short chains rests on t(2)..t(5) against t(1), which a median of three timings on
+    a VM leaves noisy: three calibrations of the scale-10 target on one machine gave t(2)/t(1) 1.34,
+    1.47 and 1.50, enough to move a k=1 chain from 1.20x to 1.08x of plain decoding in auto's model.
 
     The order of n is shuffled on every pass, so machine drift spreads over all n instead
     of biasing the large ones.  Both caches are left empty afterwards.  ``progress`` is
@@ -207,8 +214,10 @@ def measure(
             verify(n)
         samples: dict[int, list[float]] = {n: [] for n in ns}
         rng = random.Random(0)
-        for _ in range(repeats):
-            order = ns[:]
+        wanted = set(focus)
+        focus = [n for n in ns if n in wanted]
+        for i in range(max(repeats, focus_repeats if focus else 0)):
+            order = ns[:] if i < repeats else focus[:]
             rng.shuffle(order)
             for n in order:
                 t0 = time.perf_counter()

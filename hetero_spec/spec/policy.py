@@ -232,8 +232,9 @@ class Backoff:
             return True
         return False
 
-    def settle(self, pays: bool) -> None:
-        self.gap = self.first if pays else min(2 * self.gap, self.max_gap)
+    def settle(self, pays: bool, cap: int | None = None) -> None:
+        """``cap``: the longest gap allowed now (``max_gap`` if None)."""
+        self.gap = self.first if pays else min(2 * self.gap, cap or self.max_gap)
 
     def reset(self) -> None:
         self.streak, self.gap = 0, self.first
@@ -245,6 +246,14 @@ class Backoff:
 
 
 BREAK_EVEN_BAND = 0.95  # drafting estimated at least this fraction of plain speed keeps probes frequent
+# Draft probes back off only while their modelled draft forwards cost more than this share of the plain
+# rounds between them.  On the scale-10 target (a step 0.03 t(1)) the gap then stays at 16-25 rounds:
+# backing off to 128 only froze the statistics there, and after a bad streak on mt_bench auto drafted
+# no round in the next 60 prompts (one probe a prompt; stop 25, docs/bench.md).  On SmolLM2 Q4_0 (a step
+# 0.3 t(1)) the gap still grows to 128: a probe really costs 2-3x its modelled forwards (the catch-up
+# of the rows before it, and rounds with embeddings on), and at a 1% share auto spent 2% of its time
+# on probes there instead of 1%.
+PROBE_BUDGET = 0.003
 
 
 class AutoPolicy:
@@ -264,7 +273,8 @@ class AutoPolicy:
 
     def __init__(self, curve: Curve, *, width: int = 1, total: int = 0, max_depth: int = 8,
                  probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95, draft_decay: float = 0.98,
-                 min_gain: float = 1.08, lookup_depth: int = 0, prior_alphas: tuple[float, ...] = ()) -> None:
+                 min_gain: float = 1.08, lookup_depth: int = 0, prior_alphas: tuple[float, ...] = (),
+                 probe_budget: float | None = PROBE_BUDGET) -> None:
         self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
         # The draft's own held-out acceptance per depth, where its file records one: a trained draft
         # starts where training left it, not at 0.5, which undervalues every depth past the first.
@@ -278,6 +288,7 @@ class AutoPolicy:
         # measured on SmolLM2 Q4_0 (2 threads): with min_gain 1.0 auto drafted on estimates
         # within a few % of break-even and ran at 0.92-0.95x of plain decoding
         self.min_gain = min_gain
+        self.probe_budget = probe_budget  # None: draft probes back off to max_probe_gap whatever they cost
         self._draft_probe = Backoff(probe_every, max_probe_gap)
         self._lookup_probe = Backoff(probe_every, max_probe_gap)
         self._probing = ""  # the source of the probe just handed out
@@ -286,6 +297,7 @@ class AutoPolicy:
         self._best_rate = 0.0
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
+        self._t1_ms = curve.verify_time_ms(1)
 
     def _best(self) -> Shape:
         # Plain rounds leave the statistics alone, so a long plain stretch pays for this search
@@ -325,6 +337,17 @@ class AutoPolicy:
         (A greedy chain probe drafts this deep too, but verifies nothing: the target's next tokens
         check it, ``spec.orchestrator.ShadowChain``.)"""
         return self._best_drafted(1, 0, 1.0)[0]
+
+    def _probe_gap_cap(self) -> int | None:
+        """The longest gap between draft probes worth having: the one at which a probe's draft forwards
+        cost ``probe_budget`` of the plain rounds between them (never below ``probe_every``).  Rarer
+        probes would save almost nothing and leave the acceptance statistics stale."""
+        if not self.probe_budget:
+            return None
+        depth = self._probe_depth()
+        draft_ms = round_cost_ms(self.curve, Shape(depth)) - self.curve.verify_time_ms(1 + depth)
+        cap = math.ceil(draft_ms / (self.probe_budget * self._t1_ms))
+        return min(self._draft_probe.max_gap, max(self._draft_probe.first, cap))
 
     def _near_break_even(self) -> bool:
         """Whether the best drafted shape, at the measured cost, is within ``BREAK_EVEN_BAND`` of plain
@@ -372,7 +395,7 @@ class AutoPolicy:
             if source != "lookup":
                 self._best_shape = None
         if self._probing == "draft":  # the gap grows only while drafting is clearly not worth it
-            self._draft_probe.settle(self.expects_drafting() or self._near_break_even())
+            self._draft_probe.settle(self.expects_drafting() or self._near_break_even(), self._probe_gap_cap())
         elif self._probing == "lookup":
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
 
@@ -382,7 +405,7 @@ class AutoPolicy:
         It arrives once the target's own tokens have settled it, possibly rounds later."""
         self.stats.observe(drafted_depth, accepted)
         self._best_shape = None
-        self._draft_probe.settle(self.expects_drafting() or self._near_break_even())
+        self._draft_probe.settle(self.expects_drafting() or self._near_break_even(), self._probe_gap_cap())
 
     def observe_shadow(self, source: str, p_accept: float) -> None:
         """A plain round checked a proposal of ``source`` it did not verify: ``p_accept`` is the
@@ -396,6 +419,10 @@ class AutoPolicy:
 
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
         """One round's wall time; ``rows_consumed``: real rows the draft caught up on in it."""
+        if shape.depth == 0 and self.cost.seen.get("plain"):  # every plain round, so kept short: the other
+            # kinds' ratios are kept relative to plain rounds', so a plain round changes no choice
+            self.cost.observe("plain", 1e3 * seconds, self._t1_ms)
+            return
         modelled = round_cost_ms(self.curve, shape)
         if shape.kind == "draft" and rows_consumed > 1:
             modelled += self.curve.draft_rows_time_ms(rows_consumed) - self.curve.draft_rows_time_ms(1)

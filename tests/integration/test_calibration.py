@@ -56,6 +56,15 @@ def test_measure_leaves_both_caches_empty_and_embeddings_as_found(hs, curve):
     assert spec == plain
 
 
+def test_focus_rows_are_timed_more_often_than_the_rest(hs):
+    """The first-use calibration times t(1)..t(5) nine times and the other rows three: auto's choice
+    between plain rounds and short chains rests on those ratios."""
+    done: list[int] = []
+    c = measure(hs.target, None, ns=[1, 2, 8], repeats=1, focus=[1, 2, 5], focus_repeats=3, progress=done.append)
+    assert sum(done) == 3 + 3 + 1  # rows 1 and 2 three times each, row 8 once; 5 is not a row here
+    assert sorted(c.verify_ms) == [1, 2, 8]
+
+
 def test_interpolation():
     c = CostCurve({1: 10.0, 4: 16.0, 8: 20.0}, 1.0)
     assert c.verify_time_ms(2) == pytest.approx(12.0) and c.verify_ratio(4) == pytest.approx(1.6)

@@ -23,6 +23,8 @@ def test_added_rows_are_the_target_rows_and_score_after_the_draft_rows():
     ch = ContextHead(lambda f: f @ head[d2t].t(), d2t, head, dtype=torch.float32, device=torch.device("cpu"))
     assert ch.add([4, 5, 5, 7, 299, -1, V]) == 3  # 4 is a draft row; 5 once; -1 and V are not ids
     assert ch.add([5, 7]) == 0 and list(ch.d2t[-3:]) == [5, 7, 299]
+    # one token at a time, as every round adds its own: covered, a draft row, not an id, then a new one
+    assert [ch.add([t]) for t in (5, 4, -1, V, 9, 9)] == [0, 0, 0, 0, 1, 0] and ch.d2t[-1] == 9
     feat = torch.randn(3, D)
     torch.testing.assert_close(ch(feat), feat @ head[torch.as_tensor(ch.d2t)].t())
     ch.clear()

@@ -73,7 +73,7 @@ def test_tree_width_costs_more_rows():
 
 def test_probes_back_off_while_drafting_does_not_pay_and_reset_when_it_does():
     c = curve(10.0, 3.0, 0.9)
-    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0, draft_decay=1.0)
+    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=64, probe_budget=None, decay=1.0, draft_decay=1.0)
     for _ in range(50):  # a draft that is never accepted
         policy.observe(1, 0)
     assert not policy.expects_drafting()
@@ -100,7 +100,7 @@ def test_shadow_probe_evidence_settles_the_probe_gap_and_teaches_every_depth_it_
     been chosen: rejected chains still double the gap, and accepted ones raise the estimates of
     every depth they reached, until drafting pays and the gap resets."""
     c = curve(10.0, 3.0, 0.9)
-    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0, draft_decay=1.0)
+    policy = AutoPolicy(c, max_depth=8, probe_every=4, max_probe_gap=64, probe_budget=None, decay=1.0, draft_decay=1.0)
     for _ in range(50):
         policy.observe(1, 0)
 
@@ -125,7 +125,7 @@ def test_shadow_probe_evidence_settles_the_probe_gap_and_teaches_every_depth_it_
 
 
 def test_plain_rounds_want_the_targets_rows_only_shortly_before_a_probe():
-    policy = AutoPolicy(curve(10.0, 3.0, 0.9), max_depth=8, probe_every=4, max_probe_gap=64, decay=1.0,
+    policy = AutoPolicy(curve(10.0, 3.0, 0.9), max_depth=8, probe_every=4, max_probe_gap=64, probe_budget=None, decay=1.0,
                         draft_decay=1.0)
     for _ in range(50):
         policy.observe(1, 0)
@@ -309,3 +309,46 @@ def test_an_optimistic_prior_gives_way_to_measured_acceptance_where_drafting_doe
     assert policy.choose().depth > 0  # the prior alone says drafting pays
     depths = _run(policy, MEASURED, 2000, seed)[200:]
     assert depths.count(0) >= 0.9 * len(depths) and _speed(c, depths) >= 0.99
+
+
+def _steep_big_curve() -> CostCurve:
+    """The scale-10 target calibrated on a 2-core AVX-512 EPYC whose 4 rows cost 2.07 t(1) (stop 25)."""
+    ratios = {1: 1.0, 2: 1.34, 3: 2.0, 4: 2.07, 5: 2.65, 6: 2.75, 7: 3.48, 8: 3.64}
+    return CostCurve({n: 81.0 * ratios.get(n, 0.45 * n) for n in range(1, 33)}, 2.29,
+                     {n: 1.5 + 0.3 * n for n in range(1, 33)})
+
+
+def _resume_latency(policy: AutoPolicy, seed: int, bad_rounds: int = 300) -> int | None:
+    """Rounds after a bad streak ends until auto drafts again (None: not in 3000 rounds)."""
+    bad, good = [0.15] * 8, [0.62, 0.72, 0.78] + [0.8] * 5
+    rng = np.random.default_rng(seed)
+    for i in range(bad_rounds + 3000):
+        cond = bad if i < bad_rounds else good
+        shape = policy.choose()
+        a = 0
+        while a < shape.depth and rng.random() < cond[a]:
+            a += 1
+        if shape.probe:  # a shadow probe, settled by the target's next tokens
+            policy.observe_probe(shape.depth, a)
+            continue
+        policy.observe(shape.depth, a)
+        if i >= bad_rounds and shape.depth:
+            return i - bad_rounds
+    return None
+
+
+def test_cheap_probes_do_not_back_off_so_drafting_resumes_after_a_bad_streak():
+    """On a big target a shadow probe costs 3% of one round: backing off to one probe in 128 rounds
+    saves nothing and leaves the statistics of a bad streak standing.  Capped by the probe budget, the
+    gap stays near ``probe_every`` there and drafting resumes within a few prompts every time; on SmolLM2
+    Q4_0, whose draft step is a third of a round, the probes still back off."""
+    c = _steep_big_curve()
+    capped = [AutoPolicy(c, max_depth=8, prior_alphas=HELD_OUT) for _ in range(4)]
+    assert all(p._probe_gap_cap() <= 32 for p in capped)
+    latency = [_resume_latency(p, seed) for seed, p in enumerate(capped)]
+    assert all(n is not None and n <= 700 for n in latency), latency
+    uncapped = [_resume_latency(AutoPolicy(c, max_depth=8, prior_alphas=HELD_OUT, probe_budget=None), seed)
+                for seed in range(4)]
+    assert max(n or 3000 for n in uncapped) > 700, uncapped  # what the cap fixes
+    dear = AutoPolicy(_avx512_curve(6.4, 2.1), max_depth=8, prior_alphas=HELD_OUT)
+    assert dear._probe_gap_cap() == 128  # the maximum: probes there back off as before
