@@ -176,10 +176,11 @@ class HeteroSpec:
                 from tqdm import tqdm
 
                 # a dozen row counts (interpolated between) keep the first run's wait short
-                total = 2 * 3 * len(QUICK_ROWS) + (9 - 3) * len(QUICK_FOCUS)
+                repeats, focus_repeats = 3, 9
+                total = 2 * repeats * len(QUICK_ROWS) + (focus_repeats - repeats) * len(QUICK_FOCUS)
                 with tqdm(total=total, desc="calibrating (once)", unit="decode", leave=False, file=sys.stderr) as bar:
-                    self._curve = measure(self.target, self.draft, ns=QUICK_ROWS, repeats=3, progress=bar.update,
-                                          focus=QUICK_FOCUS, focus_repeats=9,
+                    self._curve = measure(self.target, self.draft, ns=QUICK_ROWS, repeats=repeats, progress=bar.update,
+                                          focus=QUICK_FOCUS, focus_repeats=focus_repeats,
                                           model=f"{self.target.path.name} + {Path(self.draft_path).name}")
                 save(self._curve, path)
         return self._curve

@@ -125,8 +125,8 @@ def test_shadow_probe_evidence_settles_the_probe_gap_and_teaches_every_depth_it_
 
 
 def test_plain_rounds_want_the_targets_rows_only_shortly_before_a_probe():
-    policy = AutoPolicy(curve(10.0, 3.0, 0.9), max_depth=8, probe_every=4, max_probe_gap=64, probe_budget=None, decay=1.0,
-                        draft_decay=1.0)
+    policy = AutoPolicy(curve(10.0, 3.0, 0.9), max_depth=8, probe_every=4, max_probe_gap=64, probe_budget=None,
+                        decay=1.0, draft_decay=1.0)
     for _ in range(50):
         policy.observe(1, 0)
     wanted = []
