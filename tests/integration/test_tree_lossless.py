@@ -285,10 +285,15 @@ def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_the
     embeddings: list[bool] = []
     verify = hs.target.verify
     monkeypatch.setattr(hs.target, "verify", lambda t: embeddings.append(hs.target.embeddings) or verify(t))
+    context_calls: list[int] = []
+    add_context = draft.add_context
+    monkeypatch.setattr(draft, "add_context", lambda t: context_calls.append(len(t)) or add_context(t))
     hs.target.reset()
     steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=128, draft_len=1,
                                  policy=auto_that_never_drafts()))
     assert [t for s in steps for t in s.tokens] == plain
+    # plain rounds hand their tokens to the draft's context head in batches, before it next runs
+    assert draft.context == prompt + plain and len(context_calls) <= len(probe_rows) + 3
     assert len(probe_rows) >= 3 and all(m >= CATCHUP_ROWS - 1 for m in probe_rows)
     assert 0.3 * len(embeddings) <= embeddings.count(False) < len(embeddings)
     assert draft.n <= hs.target.n_past  # holes after the last probe are skipped only when the draft next runs
