@@ -7,12 +7,16 @@ plain  hetero-spec with draft_len=0 (the runtime's own plain path)
 never  the speculative loop with a policy that never drafts (undrafted rounds, embeddings on)
 auto   --draft-len auto (probes, lookup and drafting where it expects a gain)
 
-Prints, per loop, the median over prompts of speed, prefill time and decode speed against raw.
+Prints, per loop, the median over prompts of speed, prefill time and decode speed against raw; then
+each loop's one-row decodes against raw's at the same position of the same prompt (the llama_decode
+alone, no bookkeeping), split by whether the decode before it was a plain one-row decode or not (a
+different shape makes llama.cpp build a new graph).
 """
 from __future__ import annotations
 
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import click
@@ -21,6 +25,7 @@ from hetero_spec.api import HeteroSpec
 from hetero_spec.bench.baselines import RawRun
 from hetero_spec.bench.harness import load_dataset
 from hetero_spec.spec.policy import FixedPolicy, Shape
+from hetero_spec.target._ffi import C
 
 
 @click.command()
@@ -37,8 +42,19 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
                    for name in datasets.split(",") for text in load_dataset(name, n_prompts).prompts]
         never = FixedPolicy(Shape(0))
         auto_policy = hs._policy
+        decodes: list[tuple[int, bool, float]] = []  # (position decoded, embeddings on before, seconds)
+        _time_one_row_decodes(hs, raw, decodes)
+        paired: dict[str, list[float]] = defaultdict(list)
+        raw_times: dict[str, dict] = {}  # this prompt's one-row decodes by position, per loop
+        loop_times: dict[str, dict] = {}
 
         def run(prompt, name):
+            decodes.clear()
+            out = _run(prompt, name)
+            (raw_times if name == "raw" else loop_times)[name] = {pos: (emb, s) for pos, emb, s in decodes}
+            return out
+
+        def _run(prompt, name):
             if name == "raw":
                 r = raw.run(prompt, max_new_tokens)
                 return r.wall_s, r.prefill_s, r.new_tokens, r.tokens
@@ -54,6 +70,11 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
         for j, prompt in enumerate(prompts):
             for name in names[j % 4:] + names[: j % 4]:
                 res[name].append(run(prompt, name))
+            for name, times in loop_times.items():
+                for pos, (emb_before, s) in times.items():
+                    if pos in raw_times["raw"]:
+                        after = "a multi-row or embeddings-on decode" if emb_before else "a plain one"
+                        paired[f"{name}, after {after}"].append(s / raw_times["raw"][pos][1])
         base = res["raw"]
         for name, rs in res.items():
             speed = statistics.median(b[0] / r[0] * r[2] / b[2] for r, b in zip(rs, base))
@@ -63,6 +84,37 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
             same = sum(r[3] == b[3] for r, b in zip(rs, base))
             click.echo(f"{name:6s} speed {speed:.3f}  prefill time x{prefill:.3f}  decode speed {decode:.3f}  "
                        f"equal to raw {same}/{len(rs)}")
+
+        for key, ratios in sorted(paired.items()):
+            click.echo(f"one-row decode against raw's at the same position: {key}: "
+                       f"x{statistics.median(ratios):.3f} (median of {len(ratios)})")
+
+
+def _time_one_row_decodes(hs: HeteroSpec, raw: RawRun, out: list[tuple[int, bool, float]]) -> None:
+    """Wrap both loops' decode calls so that every one-row decode lands in ``out``."""
+    target, loop = hs.target, raw.loop
+    verify, verify_tree, decode = target.verify, target.verify_tree, loop._decode
+    last_emb = [False]  # whether the previous decode had other rows or embeddings on (a new graph)
+
+    def timed_verify(tokens):
+        pos, emb_before, t0 = target.n_past, last_emb[0], time.perf_counter()
+        result = verify(tokens)
+        if len(tokens) == 1 and not target.embeddings:
+            out.append((pos, emb_before, time.perf_counter() - t0))
+        last_emb[0] = target.embeddings or len(tokens) > 1
+        return result
+
+    def timed_verify_tree(*args):
+        last_emb[0] = True  # lookup and drafted rounds: several rows, embeddings on
+        return verify_tree(*args)
+
+    def timed_decode(tokens):
+        t0 = time.perf_counter()
+        decode(tokens)
+        if len(tokens) == 1:
+            out.append((C.llama_memory_seq_pos_max(loop.ctx.memory, 0), False, time.perf_counter() - t0))
+
+    target.verify, target.verify_tree, loop._decode = timed_verify, timed_verify_tree, timed_decode
 
 
 if __name__ == "__main__":
