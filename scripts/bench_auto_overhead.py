@@ -42,16 +42,15 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
                    for name in datasets.split(",") for text in load_dataset(name, n_prompts).prompts]
         never = FixedPolicy(Shape(0))
         auto_policy = hs._policy
-        decodes: list[tuple[int, bool, float]] = []  # (position decoded, embeddings on before, seconds)
+        decodes: list[tuple[int, bool, float]] = []  # (position decoded, after another shape, seconds)
         _time_one_row_decodes(hs, raw, decodes)
         paired: dict[str, list[float]] = defaultdict(list)
-        raw_times: dict[str, dict] = {}  # this prompt's one-row decodes by position, per loop
-        loop_times: dict[str, dict] = {}
+        this_prompt: dict[str, dict[int, tuple[bool, float]]] = {}  # per loop, its one-row decodes by position
 
         def run(prompt, name):
             decodes.clear()
             out = _run(prompt, name)
-            (raw_times if name == "raw" else loop_times)[name] = {pos: (emb, s) for pos, emb, s in decodes}
+            this_prompt[name] = {pos: (after_other, s) for pos, after_other, s in decodes}
             return out
 
         def _run(prompt, name):
@@ -70,11 +69,12 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
         for j, prompt in enumerate(prompts):
             for name in names[j % 4:] + names[: j % 4]:
                 res[name].append(run(prompt, name))
-            for name, times in loop_times.items():
-                for pos, (emb_before, s) in times.items():
-                    if pos in raw_times["raw"]:
-                        after = "a multi-row or embeddings-on decode" if emb_before else "a plain one"
-                        paired[f"{name}, after {after}"].append(s / raw_times["raw"][pos][1])
+            base_times = this_prompt["raw"]
+            for name in ("plain", "never", "auto"):
+                for pos, (after_other, s) in this_prompt[name].items():
+                    if pos in base_times:
+                        after = "a multi-row or embeddings-on decode" if after_other else "a plain one"
+                        paired[f"{name}, after {after}"].append(s / base_times[pos][1])
         base = res["raw"]
         for name, rs in res.items():
             speed = statistics.median(b[0] / r[0] * r[2] / b[2] for r, b in zip(rs, base))
@@ -94,18 +94,18 @@ def _time_one_row_decodes(hs: HeteroSpec, raw: RawRun, out: list[tuple[int, bool
     """Wrap both loops' decode calls so that every one-row decode lands in ``out``."""
     target, loop = hs.target, raw.loop
     verify, verify_tree, decode = target.verify, target.verify_tree, loop._decode
-    last_emb = [False]  # whether the previous decode had other rows or embeddings on (a new graph)
+    other_shape = [False]  # whether the previous decode had other rows or embeddings on (a new graph)
 
     def timed_verify(tokens):
-        pos, emb_before, t0 = target.n_past, last_emb[0], time.perf_counter()
+        pos, after_other, t0 = target.n_past, other_shape[0], time.perf_counter()
         result = verify(tokens)
         if len(tokens) == 1 and not target.embeddings:
-            out.append((pos, emb_before, time.perf_counter() - t0))
-        last_emb[0] = target.embeddings or len(tokens) > 1
+            out.append((pos, after_other, time.perf_counter() - t0))
+        other_shape[0] = target.embeddings or len(tokens) > 1
         return result
 
     def timed_verify_tree(*args):
-        last_emb[0] = True  # lookup and drafted rounds: several rows, embeddings on
+        other_shape[0] = True  # lookup and drafted rounds: several rows, embeddings on
         return verify_tree(*args)
 
     def timed_decode(tokens):

@@ -22,15 +22,15 @@ bench() {  # NAME TARGET DRAFT METHODS PROMPTS
   hetero-spec bench "$2" "$3" --methods "$4" --n-prompts "$5" -t 2 --k 3 --eagle3-gguf "$E3" \
     --project laptop-7b-q4_0 --out "$OUT/$1"
 }
-for target in "${@:-q4 x10}"; do
-  for t in $target; do
-    case "$t" in
-      q4)  bench q4_darter "$MODEL" drafts/smollm2-135m-darter.safetensors raw,auto,llama.cpp-ngram "$N"
-           bench q4_eagle3 "$MODEL" drafts/smollm2-135m-eagle3.safetensors raw,llama.cpp-eagle3,auto "$N_E3" ;;
-      x10) [[ -f "$X10" ]] || python scripts/make_cost_equivalent_target.py "$MODEL" "$X10" --scale 10
-           bench x10_darter "$X10" drafts/smollm2-135m-darter.safetensors raw,auto,llama.cpp-ngram "$N"
-           bench x10_eagle3 "$X10" drafts/smollm2-135m-eagle3.safetensors raw,llama.cpp-eagle3,auto "$N_E3" ;;
-      *)   echo "unknown target set '$t' (q4 or x10)" >&2; exit 2 ;;
-    esac
-  done
+sets=("$@")
+[[ ${#sets[@]} -gt 0 ]] || sets=(q4 x10)
+for t in "${sets[@]}"; do
+  case "$t" in
+    q4)  bench q4_darter "$MODEL" drafts/smollm2-135m-darter.safetensors raw,auto,llama.cpp-ngram "$N"
+         bench q4_eagle3 "$MODEL" drafts/smollm2-135m-eagle3.safetensors raw,llama.cpp-eagle3,auto "$N_E3" ;;
+    x10) [[ -f "$X10" ]] || python scripts/make_cost_equivalent_target.py "$MODEL" "$X10" --scale 10
+         bench x10_darter "$X10" drafts/smollm2-135m-darter.safetensors raw,auto,llama.cpp-ngram "$N"
+         bench x10_eagle3 "$X10" drafts/smollm2-135m-eagle3.safetensors raw,llama.cpp-eagle3,auto "$N_E3" ;;
+    *)   echo "unknown target set '$t' (q4 or x10)" >&2; exit 2 ;;
+  esac
 done
