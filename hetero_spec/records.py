@@ -23,7 +23,7 @@ class Round:
     bytes_to_target: int  # token ids sent to the target
     bytes_to_draft: int  # hidden-state rows (and their token ids) sent to the draft
     source: str = "draft"  # where the drafts came from: "draft" (the model) or "lookup" (prompt lookup)
-    shadow: int = 0  # tokens a greedy probe drafted without verifying them (spec.orchestrator.ShadowChain)
+    shadow: int = 0  # tokens a greedy probe drafted without verifying them (spec.shadow.ShadowChain)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ from ..records import Round
 from .policy import FixedPolicy, Shape
 from .sampling import process_logits, process_support, sample_support
 from .lookup import NgramLookup
+from .shadow import ShadowChain
 from .tree import Tree
 from .verify import greedy_accept, greedy_accept_tree, sample_accept_tree
 
@@ -134,10 +136,11 @@ class KVMismatch(RuntimeError):
 class Policy(Protocol):
     lookup_depth: int  # > 0: the policy takes prompt-lookup proposals of up to this many tokens
 
-    def choose(self, lookup: int = 0) -> Shape: ...
+    def choose(self, lookup: int = 0, match: int = 0) -> Shape: ...
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None: ...
     def observe_shadow(self, source: str, p_accept: float) -> None: ...
     def observe_probe(self, drafted_depth: int, accepted: int) -> None: ...
+    def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None: ...
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None: ...
     def expects_drafting(self) -> bool: ...
     def wants_rows(self, within: int) -> bool: ...
@@ -198,13 +201,14 @@ def generate_tokens(
     if general and policy is None:
         policy = FixedPolicy(Shape(draft_len))
     lookup = NgramLookup(list(prompt) + [x]) if general and policy.lookup_depth else None
-    shadow = ShadowChain()
+    shadow = ShadowChain()  # a draft probe's chain
+    lookup_shadow = ShadowChain()  # a prompt-lookup proposal that plain rounds did not verify
     text = _HeldText(draft)
     try:
         while True:
             if general:
-                offered = lookup.propose(policy.lookup_depth) if lookup is not None else []
-                shape = policy.choose(len(offered))
+                offered, match = lookup.propose_matched(policy.lookup_depth) if lookup is not None else ([], 0)
+                shape = policy.choose(len(offered), match)
                 if shape.depth == 0 and not offered and not policy.wants_rows(CATCHUP_ROWS):
                     step, x = _quiet_round(target, x, pending, policy, sampling, rng, left)
                 else:
@@ -212,7 +216,11 @@ def generate_tokens(
                         text.flush()
                     step, x, pending = _tree_round(target, draft, x, pending, policy, sampling, rng, p_min, left,
                                                    lookup, shadow, offered, shape)
-                shadow.check(step.tokens, policy)
+                if offered and sampling.greedy and not lookup_shadow.guesses and step.round is not None \
+                        and step.round.source != "lookup":
+                    lookup_shadow.open(offered, partial(policy.observe_lookup_chain, match))
+                shadow.check(step.tokens)
+                lookup_shadow.check(step.tokens)
             else:
                 text.flush()
                 step, x, pending = _spec_round(target, draft, x, pending, draft_len, left)
@@ -222,7 +230,8 @@ def generate_tokens(
                 lookup.extend(step.tokens)
             if step.stop_reason:
                 text.flush()
-                shadow.close(policy)
+                shadow.close()
+                lookup_shadow.close()
             yield step
             if step.stop_reason:
                 return
@@ -245,45 +254,6 @@ class _HeldText:
         if self.held:
             self.draft.add_context(self.held)
             self.held = []
-
-
-@dataclass
-class ShadowChain:
-    """A greedy probe's drafted chain, checked against the tokens the target emits next, whatever
-    kind of round emits them, instead of verified rows.
-
-    A probe that drafts one token teaches auto nothing about depths 2 and beyond, and a verified
-    probe of k tokens costs a (k+1)-row decode (about 2.4 plain rounds on SmolLM2 Q4_0 for k=1).
-    Checked this way, k tokens cost k draft steps (about 1 ms each) and no target row.  The
-    evidence reaches the policy (``observe_probe``) as one drafted round of depth k once the chain
-    is settled: at the first mismatch, when every token matched, or, cut short by the end of the
-    generation, for the depths that were checked."""
-
-    guesses: list[int] = field(default_factory=list)
-    matched: int = 0
-
-    def open(self, guesses: list[int]) -> None:
-        self.guesses, self.matched = list(guesses), 0
-
-    def check(self, tokens: list[int], policy: Policy) -> None:
-        for tok in tokens:
-            if not self.guesses:
-                return
-            if tok != self.guesses[self.matched]:
-                self._settle(policy, len(self.guesses))
-                return
-            self.matched += 1
-            if self.matched == len(self.guesses):
-                self._settle(policy, len(self.guesses))
-
-    def close(self, policy: Policy) -> None:
-        if self.guesses and self.matched:
-            self._settle(policy, self.matched)
-        self.guesses = []
-
-    def _settle(self, policy: Policy, depth: int) -> None:
-        policy.observe_probe(depth, self.matched)
-        self.guesses, self.matched = [], 0
 
 
 def _pick(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> int:
@@ -423,7 +393,7 @@ def _shadow_probe_round(target, draft, x: int, pending: _Pending, policy: Policy
     guesses = draft.propose(pending.features, pending.next_tokens, depth)
     draft.rollback(draft.n - (depth - 1))  # the drafted tokens' cells: only real rows stay
     draft_s = time.perf_counter() - td
-    shadow.open(guesses)
+    shadow.open(guesses, policy.observe_probe)
     consumed = _Pending([pending.features[:0]], [])  # the draft holds these rows now
     step, nxt, new_pending = _undrafted_round(target, x, consumed, policy, sampling, rng, left, time.perf_counter(),
                                               offered)
@@ -467,9 +437,9 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
     off, like plain decoding, and the position and every row still pending become holes (a hole
     before them leaves them useless: the draft starts from the newest row).
 
-    ``offered``: a prompt-lookup proposal nobody verified; its first token is checked against
-    this row for free evidence for the lookup statistics (greedy: equal to the target's token;
-    sampling: the probability that verification would have accepted it)."""
+    ``offered``: a prompt-lookup proposal nobody verified.  Sampling: its first token is checked
+    against this row for free evidence for the lookup statistics (the probability that verification
+    would have accepted it); greedy proposals are checked whole by the loop (``ShadowChain``)."""
     n0 = target.n_past
     target.set_embeddings(policy.wants_rows(CATCHUP_ROWS))
     tv = time.perf_counter()
@@ -481,7 +451,7 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
     else:
         pending.add(hidden[:1], [nxt])
     _check_kv(target, n0 + 1)
-    if offered:
+    if offered and not sampling.greedy:  # greedy: the loop checks the whole proposal (ShadowChain)
         policy.observe_shadow("lookup", p_offered)
     policy.observe_time(PLAIN, 0, time.perf_counter() - t0)
     emitted, stop = _truncate_at_stop(target, [nxt], left)

@@ -71,7 +71,7 @@ class FixedPolicy:
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
 
-    def choose(self, lookup: int = 0) -> Shape:
+    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
         return self.shape
 
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
@@ -81,6 +81,9 @@ class FixedPolicy:
         pass
 
     def observe_probe(self, drafted_depth: int, accepted: int) -> None:
+        pass
+
+    def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None:
         pass
 
     def expects_drafting(self) -> bool:
@@ -254,6 +257,20 @@ BREAK_EVEN_BAND = 0.95  # drafting estimated at least this fraction of plain spe
 # of the rows before it, and rounds with embeddings on), and at a 1% share auto spent 2% of its time
 # on probes there instead of 1%.
 PROBE_BUDGET = 0.003
+# Prompt-lookup statistics are kept apart by the length of the match behind a proposal (the lower
+# bounds of the buckets, in tokens): on SmolLM2's greedy answers to the bench prompts the first
+# proposed token was right 59% of the time after a match of 2-3 tokens, 77% after 4-7 and 94% after
+# 8 or more (the mean run of right tokens 2.8, 4.5 and 9.1).  Pooled, the estimate sat near the
+# short matches' rate; and with only first tokens checked on plain rounds, depth 2 and beyond kept
+# their 0.5 prior.  Replayed on the scale-10 curve (scripts/replay_lookup.py, stop 28), auto then ran
+# 1 lookup round in 90 prompts; kept apart, with whole proposals checked (``observe_lookup_chain``),
+# 867, at 1.08x plain speed on average over the prompts (1.00x before).
+LOOKUP_MATCH_BUCKETS = (0, 4, 8)
+
+
+def lookup_bucket(match: int) -> int:
+    """The index in ``LOOKUP_MATCH_BUCKETS`` of a proposal behind a match of ``match`` tokens."""
+    return sum(match >= b for b in LOOKUP_MATCH_BUCKETS[1:])
 
 
 class AutoPolicy:
@@ -284,7 +301,8 @@ class AutoPolicy:
         # 1.18-1.22x at 0.98, the fixed best shape 1.22x).
         self.stats = AcceptanceStats(max_depth, decay=draft_decay, prior_alphas=prior_alphas)
         self.lookup_depth = lookup_depth
-        self.lookup_stats = AcceptanceStats(max(1, lookup_depth), decay=decay)
+        self.lookup_buckets = [AcceptanceStats(max(1, lookup_depth), decay=decay) for _ in LOOKUP_MATCH_BUCKETS]
+        self._bucket = 0  # the match-length bucket of the lookup proposal offered this round
         # measured on SmolLM2 Q4_0 (2 threads): with min_gain 1.0 auto drafted on estimates
         # within a few % of break-even and ran at 0.92-0.95x of plain decoding
         self.min_gain = min_gain
@@ -308,6 +326,11 @@ class AutoPolicy:
             self._best_shape, self._best_rate = best_shape(self.curve, alphas, self.width, self.total,
                                                            self.max_depth, self.min_gain, self._scale_used)
         return self._best_shape
+
+    @property
+    def lookup_stats(self) -> AcceptanceStats:
+        """The lookup statistics for this round's proposal (its match-length bucket)."""
+        return self.lookup_buckets[self._bucket]
 
     def _best_lookup(self, available: int) -> tuple[Shape, float]:
         """The best lookup chain of at most ``available`` tokens, or Shape(0) if none beats plain by min_gain."""
@@ -335,7 +358,7 @@ class AutoPolicy:
         """The depth a draft probe drafts to: the best chain on the curve alone (no margin, no
         measured correction).  A probe only one deep teaches nothing about depths 2 and beyond.
         (A greedy chain probe drafts this deep too, but verifies nothing: the target's next tokens
-        check it, ``spec.orchestrator.ShadowChain``.)"""
+        check it, ``spec.shadow.ShadowChain``.)"""
         return self._best_drafted(1, 0, 1.0)[0]
 
     def _probe_gap_cap(self) -> int | None:
@@ -369,10 +392,12 @@ class AutoPolicy:
         0.975x of the raw loop)."""
         return self.expects_drafting() or self._draft_probe.rounds_to_due <= within
 
-    def choose(self, lookup: int = 0) -> Shape:
-        """This round's shape; ``lookup``: tokens prompt lookup offers this round (0: no match)."""
+    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
+        """This round's shape; ``lookup``: tokens prompt lookup offers this round (0: no match);
+        ``match``: the length of the match behind them (``NgramLookup.propose_matched``)."""
         shape = self._best()
         self._probing = ""
+        self._bucket = lookup_bucket(match)
         if lookup and self.lookup_depth:
             lshape, lrate = self._best_lookup(min(lookup, self.lookup_depth))
             if lshape.depth and lrate > self._best_rate:
@@ -400,12 +425,19 @@ class AutoPolicy:
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
 
     def observe_probe(self, drafted_depth: int, accepted: int) -> None:
-        """The settled evidence of a greedy shadow probe handed out earlier (``spec.orchestrator.
+        """The settled evidence of a greedy shadow probe handed out earlier (``spec.shadow.
         ShadowChain``): its chain of ``drafted_depth`` tokens would have had ``accepted`` accepted.
         It arrives once the target's own tokens have settled it, possibly rounds later."""
         self.stats.observe(drafted_depth, accepted)
         self._best_shape = None
         self._draft_probe.settle(self.expects_drafting() or self._near_break_even(), self._probe_gap_cap())
+
+    def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None:
+        """A greedy prompt-lookup proposal of ``drafted_depth`` tokens, behind a match of ``match``
+        tokens, that no round verified: the target's own tokens would have accepted ``accepted`` of
+        them (``spec.shadow.ShadowChain``).  Lookup needs no probes while this arrives."""
+        self.lookup_buckets[lookup_bucket(match)].observe(drafted_depth, accepted)
+        self._lookup_shadowed = True
 
     def observe_shadow(self, source: str, p_accept: float) -> None:
         """A plain round checked a proposal of ``source`` it did not verify: ``p_accept`` is the

@@ -9,6 +9,7 @@ import pytest
 from hetero_spec.calibration import CostCurve
 from hetero_spec.config import TreeSpec
 from hetero_spec.spec.orchestrator import CATCHUP_ROWS, generate_tokens
+from hetero_spec.spec.lookup import NgramLookup
 from hetero_spec.spec.policy import AutoPolicy, FixedPolicy, Shape
 from hetero_spec.spec.tree import Tree
 from tests.conftest import bench_prompts
@@ -100,7 +101,7 @@ class LateDrafting(FixedPolicy):
     def expects_drafting(self) -> bool:
         return False
 
-    def choose(self, lookup: int = 0) -> Shape:
+    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
         self.plain -= 1
         return Shape(0) if self.plain >= 0 else self.shape
 
@@ -139,7 +140,7 @@ class LookupWhenOffered(FixedPolicy):
         super().__init__(Shape(0))
         self.lookup_rounds, self.observed = 0, []
 
-    def choose(self, lookup: int = 0) -> Shape:
+    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
         self.lookup_rounds += bool(lookup)
         return Shape(1 if self.lookup_rounds % 2 else min(lookup, 3), source="lookup") if lookup else Shape(0)
 
@@ -199,6 +200,65 @@ def test_sampled_lookup_evidence_is_a_probability_and_leaves_the_draws_alone(hs)
     assert max(policy.shadows) > 0.5  # repeating the sentence: lookup's guesses are likely
 
 
+class PlainWithLookupChains(FixedPolicy):
+    """Never drafts; records the settled greedy lookup proposals (match length, depth, accepted)."""
+
+    lookup_depth = 3
+
+    def __init__(self) -> None:
+        super().__init__(Shape(0))
+        self.chains: list[tuple[int, int, int]] = []
+        self.shadows: list[float] = []
+
+    def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None:
+        self.chains.append((match, drafted_depth, accepted))
+
+    def observe_shadow(self, source: str, p_accept: float) -> None:
+        self.shadows.append(p_accept)
+
+
+CODE_REPEAT = "Write a Python function that adds two numbers, then call it three times with different numbers."
+
+
+def expected_lookup_chains(prompt: list[int], out: list[int], depth: int) -> list[tuple[int, int, int]]:
+    """What checking unverified lookup proposals against plain output must report: a proposal opens
+    on a round that has none open, and settles at its first wrong token, when all were right, or,
+    partly checked, at the end of the output."""
+    text, chains, open_ = list(prompt) + out[:1], [], None
+    for tok in out[1:]:
+        if open_ is None:
+            guesses, match = NgramLookup(text).propose_matched(depth)
+            open_ = [guesses, 0, match] if guesses else None
+        if open_ is not None:
+            guesses, right, match = open_
+            if tok != guesses[right] or right + 1 == len(guesses):
+                chains.append((match, len(guesses), right + (tok == guesses[right])))
+                open_ = None
+            else:
+                open_[1] += 1
+        text.append(tok)
+    if open_ is not None and open_[1]:
+        chains.append((open_[2], open_[1], open_[1]))
+    return chains
+
+
+def test_greedy_lookup_proposals_are_checked_whole_against_the_plain_output(hs):
+    """Greedy plain rounds check what prompt lookup offered, all of it, against the tokens that
+    follow, and report it with the length of the match behind it; the output stays plain."""
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": CODE_REPEAT}]), add_special=False)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=48, draft_len=0).tokens
+    policy = PlainWithLookupChains()
+    hs.target.reset()
+    steps = list(generate_tokens(hs.target, OracleTreeDraft(prompt, 1.0), prompt, max_new_tokens=48, draft_len=1,
+                                 policy=policy))
+    assert [t for s in steps for t in s.tokens] == plain
+    assert policy.chains == expected_lookup_chains(prompt, plain, policy.lookup_depth)
+    assert any(a == d == 3 and m >= 4 for m, d, a in policy.chains)  # repeated code, behind a long match
+    assert any(a < d for _, d, a in policy.chains)
+    assert not policy.shadows  # greedy: no first-token evidence besides the chains
+
+
 class ShadowProbeEvery(FixedPolicy):
     """Plain rounds with a greedy probe of ``depth`` drafted tokens every ``every`` rounds; records
     the evidence the probes settle into."""
@@ -207,7 +267,7 @@ class ShadowProbeEvery(FixedPolicy):
         super().__init__(Shape(0))
         self.every, self.depth, self.rounds, self.settled = every, depth, 0, []
 
-    def choose(self, lookup: int = 0) -> Shape:
+    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
         self.rounds += 1
         return Shape(self.depth, probe=True) if self.rounds % self.every == 0 else Shape(0)
 

@@ -40,3 +40,12 @@ def test_incremental_extension_equals_building_at_once():
 def test_bad_ngram_bounds_are_refused():
     with pytest.raises(ValueError):
         NgramLookup([], n_min=3, n_max=2)
+
+
+def test_match_length_counts_back_past_the_indexed_ngrams():
+    text = [7, 1, 2, 3, 4, 5, 6, 9, 8, 0, 1, 2, 3, 4, 5, 6]
+    look = NgramLookup(text, n_min=2, n_max=3)
+    assert look.propose_matched(2) == ([9, 8], 6)  # 1..6 repeats: six tokens, though only 3-grams are indexed
+    assert look.propose_matched(2, longest=4) == ([9, 8], 4)
+    assert NgramLookup([5, 1, 2, 9, 6, 1, 2], n_min=2, n_max=3).propose_matched(1) == ([9], 2)
+    assert NgramLookup([1, 2, 3], n_min=2).propose_matched(1) == ([], 0)

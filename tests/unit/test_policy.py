@@ -245,6 +245,24 @@ def test_shadow_evidence_replaces_lookup_probes():
 
 
 
+def test_lookup_statistics_are_kept_per_match_length():
+    """Proposals behind long matches that proved right become lookup rounds, deeper than one token
+    (whole proposals were checked); those behind short matches that proved wrong stay plain, and so
+    does a bucket with no evidence yet.  Pooled, the two would average to a rate at which neither pays."""
+    c = curve(10.0, 6.0, 0.9)  # steep: at the 0.5 prior lookup does not pay
+    policy = AutoPolicy(c, max_depth=8, lookup_depth=4, probe_every=1000, decay=0.95)
+    for _ in range(30):
+        policy.observe_lookup_chain(12, 4, 4)
+        policy.observe_lookup_chain(2, 4, 0)
+    long_match = policy.choose(4, match=12)
+    assert long_match.source == "lookup" and long_match.depth >= 3
+    assert policy.lookup_stats.alpha(3) > 0.9
+    assert policy.choose(4, match=2).depth == 0 and policy.lookup_stats.alpha(1) < 0.1
+    assert policy.choose(4, match=5).depth == 0  # the middle bucket has only its prior
+    policy.observe_lookup_chain(9, 4, 1)  # one miss at depth 2 moves the long bucket, not the short one
+    assert policy.choose(4, match=9).source == "lookup" and policy.choose(4, match=2).depth == 0
+
+
 def _avx512_curve(t1: float, step: float) -> CostCurve:
     """Shaped like the measured 2-thread AVX-512 curves: 4 rows cost less than 3 (the repacked Q4_0 kernels)."""
     ratios = {1: 1.0, 2: 1.39, 3: 1.79, 4: 1.66, 5: 1.99, 6: 2.40, 7: 2.83, 8: 2.66, 9: 3.05}
