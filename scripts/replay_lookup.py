@@ -119,7 +119,7 @@ def replay(answers: list[Answer], curve: FileCurve, rebuild: float, by_match: bo
             shape = policy.choose(len(offered), match)
             rows, right = 1, 0
             if shape.source == "lookup" and shape.depth:
-                depth = min(shape.depth, len(offered))
+                depth = min(shape.depth, len(offered), len(a.out) - i - 1)  # the loop's cap: tokens left
                 right, rows = run_of_right(offered[:depth], a.out[i:]), depth + 1
                 if right == depth < len(offered) and i + depth < len(a.out):  # the bonus token checks one more
                     policy.observe(depth + 1, depth + int(a.out[i + depth] == offered[depth]), source="lookup")

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import SamplingConfig
 from ..records import Round
-from .policy import FixedPolicy, Shape
+from .policy import LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
 from .sampling import process_logits, process_support, sample_support
 from .lookup import NgramLookup
 from .shadow import ShadowChain
@@ -202,12 +202,13 @@ def generate_tokens(
         policy = FixedPolicy(Shape(draft_len))
     lookup = NgramLookup(list(prompt) + [x]) if general and policy.lookup_depth else None
     shadow = ShadowChain()  # a draft probe's chain
-    lookup_shadow = ShadowChain()  # a prompt-lookup proposal that plain rounds did not verify
+    lookup_shadow = ShadowChain()  # a prompt-lookup proposal that no round verified
     text = _HeldText(draft)
     try:
         while True:
             if general:
-                offered, match = lookup.propose_matched(policy.lookup_depth) if lookup is not None else ([], 0)
+                offered, match = (lookup.propose_matched(policy.lookup_depth, longest=LOOKUP_MATCH_BUCKETS[-1])
+                                  if lookup is not None else ([], 0))
                 shape = policy.choose(len(offered), match)
                 if shape.depth == 0 and not offered and not policy.wants_rows(CATCHUP_ROWS):
                     step, x = _quiet_round(target, x, pending, policy, sampling, rng, left)
@@ -216,8 +217,7 @@ def generate_tokens(
                         text.flush()
                     step, x, pending = _tree_round(target, draft, x, pending, policy, sampling, rng, p_min, left,
                                                    lookup, shadow, offered, shape)
-                if offered and sampling.greedy and not lookup_shadow.guesses and step.round is not None \
-                        and step.round.source != "lookup":
+                if offered and sampling.greedy and not lookup_shadow.guesses and _unverified(step, "lookup"):
                     lookup_shadow.open(offered, partial(policy.observe_lookup_chain, match))
                 shadow.check(step.tokens)
                 lookup_shadow.check(step.tokens)
@@ -237,6 +237,11 @@ def generate_tokens(
                 return
     finally:
         text.flush()  # a caller that stops early still leaves the draft the whole text
+
+
+def _unverified(step: Step, source: str) -> bool:
+    """Whether the round that made ``step`` verified no proposal of ``source`` (False with no round)."""
+    return step.round is not None and step.round.source != source
 
 
 @dataclass

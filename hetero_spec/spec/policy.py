@@ -278,8 +278,9 @@ class AutoPolicy:
 
     Two sources: the draft model (chains, or trees of ``width``) and, with ``lookup_depth``
     > 0, prompt lookup, whose chains cost verification rows only and which the caller offers
-    with the number of tokens it found (``choose(lookup=n)``).  Each keeps its own
-    acceptance statistics.  While plain rounds win, each source is probed with one cheap
+    with the number of tokens it found and the length of the match behind them
+    (``choose(lookup=n, match=m)``).  Each keeps its own acceptance statistics, lookup's per
+    match-length bucket (``LOOKUP_MATCH_BUCKETS``).  While plain rounds win, each source is probed with one cheap
     round every ``probe_every`` eligible rounds; each probe after which it still does not
     pay doubles that gap (up to ``max_probe_gap``), since a probe costs a two-row
     verification (and the draft's catch-up); measured on SmolLM2 Q4_0, resetting the gap on
@@ -310,7 +311,7 @@ class AutoPolicy:
         self._draft_probe = Backoff(probe_every, max_probe_gap)
         self._lookup_probe = Backoff(probe_every, max_probe_gap)
         self._probing = ""  # the source of the probe just handed out
-        self._lookup_shadowed = False  # lookup's first token is being checked on plain rounds for free
+        self._lookup_shadowed = False  # unverified lookup proposals are being checked for free
         self._best_shape: Shape | None = None  # valid until the statistics change
         self._best_rate = 0.0
         self.cost = MeasuredCost()
@@ -328,8 +329,8 @@ class AutoPolicy:
         return self._best_shape
 
     @property
-    def lookup_stats(self) -> AcceptanceStats:
-        """The lookup statistics for this round's proposal (its match-length bucket)."""
+    def _round_lookup_stats(self) -> AcceptanceStats:
+        """The lookup statistics for this round's proposal: the bucket ``choose`` found it in."""
         return self.lookup_buckets[self._bucket]
 
     def _best_lookup(self, available: int) -> tuple[Shape, float]:
@@ -337,7 +338,7 @@ class AutoPolicy:
         scale = self.cost.scale("lookup")
         plain_rate = 1.0 / round_cost_ms(self.curve, Shape(0))
         best, best_rate = Shape(0), plain_rate
-        alphas = [self.lookup_stats.alpha(d) for d in range(1, available + 1)]
+        alphas = [self._round_lookup_stats.alpha(d) for d in range(1, available + 1)]
         for d in range(1, available + 1):
             shape = Shape(d, source="lookup")
             rate = expected_emitted(alphas[:d]) / (scale * round_cost_ms(self.curve, shape))
@@ -416,7 +417,7 @@ class AutoPolicy:
 
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
         if drafted_depth > 0:
-            (self.lookup_stats if source == "lookup" else self.stats).observe(drafted_depth, accepted)
+            (self._round_lookup_stats if source == "lookup" else self.stats).observe(drafted_depth, accepted)
             if source != "lookup":
                 self._best_shape = None
         if self._probing == "draft":  # the gap grows only while drafting is clearly not worth it
@@ -440,10 +441,11 @@ class AutoPolicy:
         self._lookup_shadowed = True
 
     def observe_shadow(self, source: str, p_accept: float) -> None:
-        """A plain round checked a proposal of ``source`` it did not verify: ``p_accept`` is the
-        probability verification would have accepted it (greedy: 0 or 1, whether the target's own
-        token equalled it).  Lookup needs no probes while this arrives."""
-        (self.lookup_stats if source == "lookup" else self.stats).observe_first(p_accept)
+        """A plain round checked the first token of a proposal of ``source`` it did not verify:
+        ``p_accept`` is the probability verification would have accepted it (sampled rounds; greedy
+        lookup proposals are checked whole, ``observe_lookup_chain``).  Lookup needs no probes while
+        this arrives."""
+        (self._round_lookup_stats if source == "lookup" else self.stats).observe_first(p_accept)
         if source == "lookup":
             self._lookup_shadowed = True
         else:

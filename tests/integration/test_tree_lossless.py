@@ -138,7 +138,7 @@ class LookupWhenOffered(FixedPolicy):
 
     def __init__(self) -> None:
         super().__init__(Shape(0))
-        self.lookup_rounds, self.observed = 0, []
+        self.lookup_rounds, self.observed, self.chains = 0, [], []
 
     def choose(self, lookup: int = 0, match: int = 0) -> Shape:
         self.lookup_rounds += bool(lookup)
@@ -146,6 +146,9 @@ class LookupWhenOffered(FixedPolicy):
 
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
         self.observed.append((drafted_depth, accepted, source))
+
+    def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None:
+        self.chains.append((match, drafted_depth, accepted))
 
 
 REPEAT = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
@@ -167,6 +170,7 @@ def test_prompt_lookup_rounds_equal_plain(hs):
     # a fully accepted one-token round also reports depth 2, checked against the bonus token
     assert any(d == 2 and src == "lookup" for d, _, src in policy.observed)
     assert all(0 <= a <= d for d, a, _ in policy.observed)
+    assert policy.chains == []  # every offer was verified: nothing left to check in the shadow
 
 
 class PlainWithLookupEvidence(FixedPolicy):

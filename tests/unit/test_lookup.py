@@ -49,3 +49,7 @@ def test_match_length_counts_back_past_the_indexed_ngrams():
     assert look.propose_matched(2, longest=4) == ([9, 8], 4)
     assert NgramLookup([5, 1, 2, 9, 6, 1, 2], n_min=2, n_max=3).propose_matched(1) == ([9], 2)
     assert NgramLookup([1, 2, 3], n_min=2).propose_matched(1) == ([], 0)
+    # the earlier occurrence starts the text: counting back stops at its first token
+    assert NgramLookup([1, 2, 3, 4, 9, 1, 2, 3, 4], n_min=2, n_max=2).propose_matched(1) == ([9], 4)
+    # periodic text: the latest occurrence overlaps the suffix, and the match runs back to the start
+    assert NgramLookup([5, 6, 5, 6, 5, 6], n_min=2, n_max=2).propose_matched(3) == ([5, 6], 4)

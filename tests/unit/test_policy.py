@@ -197,7 +197,7 @@ def test_lookup_is_chosen_where_it_pays_and_probed_where_it_does_not():
     policy = AutoPolicy(c, max_depth=8, lookup_depth=4, probe_every=4, max_probe_gap=32, decay=1.0)
     for _ in range(100):  # the draft model never pays; lookup proposals are always right
         policy.stats.observe(1, 0)
-        policy.lookup_stats.observe(4, 4)
+        policy.lookup_buckets[0].observe(4, 4)  # short matches: choose(n) below passes none
     policy._best_shape = None
     assert policy.choose(0) == Shape(0)  # nothing offered: plain
     shape = policy.choose(3)
@@ -205,7 +205,7 @@ def test_lookup_is_chosen_where_it_pays_and_probed_where_it_does_not():
     assert policy.choose(9).depth == 4  # capped by lookup_depth
 
     for _ in range(200):  # lookup proposals turn out wrong
-        policy.lookup_stats.observe(1, 0)
+        policy.lookup_buckets[0].observe(1, 0)
     gaps, n = [], 0
     for _ in range(120):
         n += 1
@@ -236,12 +236,12 @@ def test_shadow_evidence_replaces_lookup_probes():
         s = policy.choose(2)
         if s.source == "lookup" and not s.probe:
             break
-        probes_after_shadow += s.source == "lookup" and policy.lookup_stats.reached[1] > 0
+        probes_after_shadow += s.source == "lookup" and policy.lookup_buckets[0].reached[1] > 0
         policy.observe(s.depth, 0, source=s.source)  # draft-model probes are rejected
         if s.depth == 0:
             policy.observe_shadow("lookup", 1.0)
     assert s.source == "lookup" and s.depth >= 1 and probes_after_shadow == 0  # depth 2 still has its prior
-    assert policy.lookup_stats.alpha(1) >= 0.7  # a few free confirmations suffice
+    assert policy.lookup_buckets[0].alpha(1) >= 0.7  # a few free confirmations suffice
 
 
 
@@ -256,11 +256,24 @@ def test_lookup_statistics_are_kept_per_match_length():
         policy.observe_lookup_chain(2, 4, 0)
     long_match = policy.choose(4, match=12)
     assert long_match.source == "lookup" and long_match.depth >= 3
-    assert policy.lookup_stats.alpha(3) > 0.9
-    assert policy.choose(4, match=2).depth == 0 and policy.lookup_stats.alpha(1) < 0.1
-    assert policy.choose(4, match=5).depth == 0  # the middle bucket has only its prior
+    short, middle, long_ = policy.lookup_buckets
+    assert long_.alpha(3) > 0.9 and short.alpha(1) < 0.1
+    assert policy.choose(4, match=2).depth == 0
+    assert policy.choose(4, match=5).depth == 0 and middle.reached[1] == 0  # only its prior
+    before = (list(short.reached), list(short.accepted))
     policy.observe_lookup_chain(9, 4, 1)  # one miss at depth 2 moves the long bucket, not the short one
-    assert policy.choose(4, match=9).source == "lookup" and policy.choose(4, match=2).depth == 0
+    assert long_.reached[2] > long_.accepted[2] and (short.reached, short.accepted) == before
+
+
+def test_verified_lookup_rounds_teach_the_bucket_they_were_chosen_from():
+    c = curve(10.0, 1.0, 0.9)  # flat: lookup pays at the prior
+    policy = AutoPolicy(c, max_depth=8, lookup_depth=4, probe_every=1000, decay=1.0)
+    shape = policy.choose(4, match=12)
+    assert shape.source == "lookup"
+    policy.observe(shape.depth, 1, source="lookup")
+    short, middle, long_ = policy.lookup_buckets
+    assert long_.reached[1] == long_.reached[2] == 1 and long_.accepted[2] == 0
+    assert short.reached[1] == middle.reached[1] == 0
 
 
 def _avx512_curve(t1: float, step: float) -> CostCurve:
