@@ -14,7 +14,7 @@ checked on plain rounds: auto up to stop 27) and "by match" (statistics per matc
 whole proposals checked: ``AutoPolicy.observe_lookup_chain``).
 
     python scripts/replay_lookup.py MODEL --curve ~/.cache/hetero-spec/calibration/x10-t2-*.json \\
-        --curve hetero_spec/bench/data/curves/laptop-7b-q4_0.json --tokens /tmp/answers.json
+        --curve laptop-7b-q4_0 --tokens /tmp/answers.json
 """
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ import click
 from tqdm import tqdm
 
 from hetero_spec.api import AUTO_LOOKUP_DEPTH
+from hetero_spec.bench.projection import load_curve
 from hetero_spec.bench.prompts import DATASETS, load_dataset
-from hetero_spec.spec.lookup import NgramLookup
+from hetero_spec.calibration import CostCurve
+from hetero_spec.errors import HeteroSpecError
+from hetero_spec.spec.lookup import NgramLookup, lookup_evidence
 from hetero_spec.spec.shadow import ShadowChain
 from hetero_spec.spec.policy import LOOKUP_MATCH_BUCKETS, AutoPolicy, Shape, lookup_bucket
 
@@ -41,30 +44,6 @@ class Answer:
     dataset: str
     prompt: list[int]
     out: list[int]  # greedy new tokens, the first one from the prefill
-
-
-class FileCurve:
-    """A cost-curve JSON (``calibrate``'s cache or a shipped curve), interpolated between its row counts."""
-
-    def __init__(self, path: Path) -> None:
-        d = json.loads(path.read_text())
-        self.name = path.name
-        self.t1 = float(d["verify_ms"]["1"])
-        self.ratio = {int(k): float(v) for k, v in d["verify_ratio"].items()}
-        self.draft_step_ms = float(d["draft_step_ms"])
-        self._rows = {int(k): float(v) for k, v in (d.get("draft_rows_ms") or {}).items()}
-
-    def verify_time_ms(self, n: int) -> float:
-        if n > 32:  # 32-row micro-batches
-            return self.verify_time_ms(32) + self.verify_time_ms(n - 32)
-        lo = max(k for k in self.ratio if k <= n)
-        hi = min(k for k in self.ratio if k >= n)
-        r = self.ratio[lo] if lo == hi else self.ratio[lo] + (self.ratio[hi] - self.ratio[lo]) * (n - lo) / (hi - lo)
-        return r * self.t1
-
-    def draft_rows_time_ms(self, n: int) -> float:
-        fit = [k for k in self._rows if k >= n]
-        return self._rows[min(fit)] if fit else self.draft_step_ms
 
 
 def generate(model: str, datasets: list[str], n_prompts: int, threads: int, max_new: int) -> list[Answer]:
@@ -104,10 +83,11 @@ def match_table(answers: list[Answer]) -> dict[int, tuple[int, float, float]]:
     return {b: (len(r), sum(x > 0 for x in r) / len(r), sum(r) / len(r)) for b, r in sorted(runs.items())}
 
 
-def replay(answers: list[Answer], curve: FileCurve, rebuild: float, by_match: bool,
+def replay(answers: list[Answer], curve: CostCurve, rebuild: float, by_match: bool,
            lookup_depth: int) -> tuple[dict, float, Counter]:
     """Per-set median and overall mean of the modelled speed over plain rounds, and the round counts."""
     policy = AutoPolicy(curve, lookup_depth=lookup_depth, prior_alphas=(0.01,))
+    t1 = curve.verify_time_ms(1)
     speed: dict[str, list[float]] = defaultdict(list)
     kinds: Counter = Counter()
     for a in answers:
@@ -118,13 +98,10 @@ def replay(answers: list[Answer], curve: FileCurve, rebuild: float, by_match: bo
             match = match if by_match else 0
             shape = policy.choose(len(offered), match)
             rows, right = 1, 0
-            if shape.source == "lookup" and shape.depth:
-                depth = min(shape.depth, len(offered), len(a.out) - i - 1)  # the loop's cap: tokens left
+            depth = min(shape.depth, len(offered), len(a.out) - i - 1) if shape.source == "lookup" else 0
+            if depth:  # the loop's cap: the tokens left
                 right, rows = run_of_right(offered[:depth], a.out[i:]), depth + 1
-                if right == depth < len(offered) and i + depth < len(a.out):  # the bonus token checks one more
-                    policy.observe(depth + 1, depth + int(a.out[i + depth] == offered[depth]), source="lookup")
-                else:
-                    policy.observe(depth, right, source="lookup")
+                policy.observe(*lookup_evidence(offered, depth, right, a.out[i + depth], True), source="lookup")
                 kinds["lookup"] += 1
             else:
                 if shape.probe and shape.source == "draft":
@@ -134,7 +111,7 @@ def replay(answers: list[Answer], curve: FileCurve, rebuild: float, by_match: bo
                 elif offered and not by_match:
                     policy.observe_shadow("lookup", float(offered[0] == a.out[i]))
                 kinds["plain"] += 1
-            ms = curve.verify_time_ms(rows) + (rebuild * curve.t1 if rows != prev else 0.0)
+            ms = curve.verify_time_ms(rows) + (rebuild * t1 if rows != prev else 0.0)
             prev = rows
             policy.observe_time(Shape(rows - 1, source="lookup") if rows > 1 else Shape(0), 0, ms / 1e3)
             cost += ms
@@ -143,15 +120,15 @@ def replay(answers: list[Answer], curve: FileCurve, rebuild: float, by_match: bo
             look.extend(emitted)
             i += len(emitted)
         shadow.close()
-        speed[a.dataset].append((len(a.out) - 1) * curve.t1 / cost)
+        speed[a.dataset].append((len(a.out) - 1) * t1 / cost)
     every = [s for v in speed.values() for s in v]
     return {d: statistics.median(v) for d, v in speed.items()}, sum(every) / len(every), kinds
 
 
 @click.command()
 @click.argument("model")
-@click.option("--curve", "curves", multiple=True, required=True, type=click.Path(exists=True, dir_okay=False),
-              help="cost-curve JSON (calibrate's cache, or hetero_spec/bench/data/curves/*.json); repeatable")
+@click.option("--curve", "curves", multiple=True, required=True,
+              help="a shipped curve name (laptop-7b-q4_0, this-machine) or a calibration JSON; repeatable")
 @click.option("--datasets", default=",".join(DATASETS) + ",translate", show_default=True)
 @click.option("--n-prompts", default=20, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
@@ -175,13 +152,16 @@ def main(model, curves, datasets, n_prompts, max_new_tokens, rebuild, tokens, lo
         print(f"{label:>12} | {n:6d} | {first:.3f} | {run:.2f}")
     sets = list(dict.fromkeys(a.dataset for a in answers))
     print(f"\nmodelled speed over plain rounds (median per set; mean over all prompts), rebuild {rebuild} t(1)")
-    for path in curves:
-        curve = FileCurve(Path(path))
+    for spec in curves:
+        try:
+            name, curve = load_curve(spec)
+        except HeteroSpecError as exc:
+            raise click.ClickException(str(exc)) from None
         for by_match in (False, True):
             medians, mean, kinds = replay(answers, curve, rebuild, by_match, lookup_depth)
             label = "by match" if by_match else "pooled"
             cells = " ".join(f"{d} {medians[d]:.3f}" for d in sets)
-            print(f"{curve.name:<52} {label:<8} {cells} | mean {mean:.3f} | lookup rounds {kinds['lookup']}")
+            print(f"{name:<52} {label:<8} {cells} | mean {mean:.3f} | lookup rounds {kinds['lookup']}")
 
 
 if __name__ == "__main__":

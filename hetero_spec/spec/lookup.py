@@ -49,3 +49,12 @@ class NgramLookup:
                     n += 1
                 return t[j : j + k], n
         return [], 0
+
+
+def lookup_evidence(offered: list[int], depth: int, accepted: int, bonus: int, greedy: bool) -> tuple[int, int]:
+    """(drafted depth, accepted) that a verified chain of the first ``depth`` tokens ``offered`` teaches:
+    a greedy chain accepted whole also checks the next offered token against the ``bonus`` token, so
+    the statistics learn one depth beyond what was verified."""
+    if greedy and accepted == depth < len(offered):
+        return depth + 1, depth + int(bonus == offered[depth])
+    return depth, accepted

@@ -18,7 +18,7 @@ from ..config import SamplingConfig
 from ..records import Round
 from .policy import LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
 from .sampling import process_logits, process_support, sample_support
-from .lookup import NgramLookup
+from .lookup import NgramLookup, lookup_evidence
 from .shadow import ShadowChain
 from .tree import Tree
 from .verify import greedy_accept, greedy_accept_tree, sample_accept_tree
@@ -374,10 +374,7 @@ def _lookup_round(target, x: int, offered: list[int], depth: int, pending: _Pend
     pending.add(hidden, accepted)
     _check_kv(target, n0 + len(rows))
     shape = Shape(depth, source="lookup")
-    if sampling.greedy and len(path) == depth < len(offered):
-        policy.observe(depth + 1, depth + int(nxt == offered[depth]), source="lookup")
-    else:
-        policy.observe(depth, len(path), source="lookup")
+    policy.observe(*lookup_evidence(offered, depth, len(path), nxt, sampling.greedy), source="lookup")
     policy.observe_time(shape, 0, time.perf_counter() - t0)
     emitted, stop = _truncate_at_stop(target, accepted, left)
     rnd = Round(drafted=len(proposal), accepted=len(path), emitted=len(emitted), draft_s=0.0, verify_s=verify_s,

@@ -264,7 +264,7 @@ PROBE_BUDGET = 0.003
 # short matches' rate; and with only first tokens checked on plain rounds, depth 2 and beyond kept
 # their 0.5 prior.  Replayed on the scale-10 curve (scripts/replay_lookup.py, stop 28), auto then ran
 # 1 lookup round in 90 prompts; kept apart, with whole proposals checked (``observe_lookup_chain``),
-# 831, at 1.085x plain speed on average over the prompts (1.00x before).
+# 818, at 1.085x plain speed on average over the prompts (1.00x before).
 LOOKUP_MATCH_BUCKETS = (0, 4, 8)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetero_spec.spec.lookup import NgramLookup
+from hetero_spec.spec.lookup import NgramLookup, lookup_evidence
 
 
 def test_longest_match_wins_then_shorter_ones():
@@ -53,3 +53,12 @@ def test_match_length_counts_back_past_the_indexed_ngrams():
     assert NgramLookup([1, 2, 3, 4, 9, 1, 2, 3, 4], n_min=2, n_max=2).propose_matched(1) == ([9], 4)
     # periodic text: the latest occurrence overlaps the suffix, and the match runs back to the start
     assert NgramLookup([5, 6, 5, 6, 5, 6], n_min=2, n_max=2).propose_matched(3) == ([5, 6], 4)
+
+
+def test_a_greedy_chain_accepted_whole_checks_one_more_offered_token_against_the_bonus():
+    offered = [4, 5, 6]
+    assert lookup_evidence(offered, 2, 2, 6, greedy=True) == (3, 3)  # the bonus equals the third offer
+    assert lookup_evidence(offered, 2, 2, 9, greedy=True) == (3, 2)
+    assert lookup_evidence(offered, 2, 1, 6, greedy=True) == (2, 1)  # a rejection: nothing beyond it
+    assert lookup_evidence(offered, 3, 3, 6, greedy=True) == (3, 3)  # nothing more was offered
+    assert lookup_evidence(offered, 2, 2, 6, greedy=False) == (2, 2)  # sampled bonus: no evidence
