@@ -50,12 +50,18 @@ class CostCurve:
 
     ``verify_ms[n]``: one decode of n rows with embeddings on (the verification of n-1 drafts);
     ``draft_step_ms``: one draft step (one row forward + head argmax) on the draft's device;
-    ``draft_rows_ms[n]``: one draft forward over n rows (a tree depth), optional.
+    ``draft_rows_ms[n]``: one draft forward over n rows (a tree depth), optional;
+    ``draft_switch_ms``: what the first draft forward of a round costs beyond ``draft_step_ms``
+    because a target decode ran just before it, as one always has in the loop.  On a CPU draft
+    the decode evicts the draft's weights from the shared cache: on SmolLM2 Q4_0 (2-core EPYC,
+    32 MiB L3, int8 darter) a step after a verification took 2.9-3.6 ms against 2.1-2.8 ms back to
+    back, and the calibration without it put a fixed k=1 chain at 0.91x where it ran at 0.73x.
     """
 
     verify_ms: dict[int, float]
     draft_step_ms: float
     draft_rows_ms: dict[int, float] = field(default_factory=dict)
+    draft_switch_ms: float = 0.0
     machine: str = ""  # host, CPU model, threads
     model: str = ""  # GGUF file name and size (+ draft file name)
 
@@ -105,6 +111,7 @@ class CostCurve:
                 verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
                 draft_step_ms=float(d["draft_step_ms"]),
                 draft_rows_ms={int(k): float(v) for k, v in d.get("draft_rows_ms", {}).items()},
+                draft_switch_ms=float(d.get("draft_switch_ms", 0.0)),
                 machine=str(d.get("machine", "")),
                 model=str(d.get("model", "")),
             )
@@ -226,13 +233,31 @@ def measure(
                 if progress:
                     progress(1)
         verify_ms = {n: 1e3 * statistics.median(samples[n]) for n in ns}
+        step_ms, rows_ms, switch_ms = 0.0, {}, 0.0
+        if runner is not None:
+            step_ms, rows_ms, switch_ms = _measure_draft(runner, hidden, tokens, ns, repeats, progress,
+                                                         after=lambda: verify(2))
     finally:
         target.reset()
         target.set_embeddings(was_on)
-    step_ms, rows_ms = 0.0, {}
-    if runner is not None:
-        step_ms, rows_ms = _measure_draft(runner, hidden, tokens, ns, repeats, progress)
-    return CostCurve(verify_ms, step_ms, rows_ms, machine=machine_id(target.n_threads), model=model)
+    return CostCurve(verify_ms, step_ms, rows_ms, switch_ms, machine=machine_id(target.n_threads), model=model)
+
+
+def merge(curves: list[CostCurve]) -> CostCurve:
+    """Per-n medians of several curves of one machine and model: passes timed at intervals through a
+    bench (``bench --project this-run``) so that the curve sees the machine as the prompts did.  On
+    the 2-core VM, t(1) and t(2) of SmolLM2 Q4_0 moved 25-30% within one minute; a curve calibrated
+    once, in another minute, projected a k=1 chain 25% off what the bench measured."""
+    if not curves:
+        raise HeteroSpecError("no calibration passes to merge")
+
+    def med(tables: list[dict[int, float]]) -> dict[int, float]:
+        keys = set().union(*tables)
+        return {n: statistics.median(t[n] for t in tables if n in t) for n in sorted(keys)}
+
+    return CostCurve(med([c.verify_ms for c in curves]), statistics.median(c.draft_step_ms for c in curves),
+                     med([c.draft_rows_ms for c in curves]), statistics.median(c.draft_switch_ms for c in curves),
+                     machine=curves[0].machine, model=curves[0].model)
 
 
 def _prefix_tokens(target: "LlamaTarget", rows: int) -> list[int]:
@@ -244,8 +269,10 @@ def _prefix_tokens(target: "LlamaTarget", rows: int) -> list[int]:
 
 
 def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int], repeats: int,
-                   progress) -> tuple[float, dict[int, float]]:
-    """hidden [len(tokens), n_embd] float32: the target's real features for the prefix."""
+                   progress, after: Callable[[], None]) -> tuple[float, dict[int, float], float]:
+    """(step ms, rows ms per n, switch ms); hidden [len(tokens), n_embd] float32: the target's real
+    features for the prefix; ``after``: a target decode (rolled back), run before each step timed for
+    the switch, as the loop runs the previous round's verification before the draft."""
     runner.reset()
     try:
         m = len(tokens) - 1
@@ -261,7 +288,13 @@ def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int],
         # cost (measured: 2.1-2.5 ms against 1.1 ms after 3 warm-up steps), and auto would then
         # price drafting at double; warm up by time as well as by count.
         _warm_up(step, calls=30, seconds=0.1)
-        step_ms = _median_ms(step, max(repeats, 15))
+        reps = max(repeats, 15)
+        step_ms = _median_ms(step, reps)
+        cold = []
+        for _ in range(reps):
+            after()
+            cold.append(_median_ms(step, 1))
+        switch_ms = max(0.0, statistics.median(cold) - step_ms)
         rows_ms = {}
         reps = np.resize(np.arange(m), ns[-1])  # row indices, tiled if the prefix is short
 
@@ -277,7 +310,7 @@ def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int],
                 progress(repeats)
     finally:
         runner.reset()
-    return step_ms, rows_ms
+    return step_ms, rows_ms, switch_ms
 
 
 # ---------------------------------------------------------------------- caching
@@ -312,8 +345,10 @@ def load_or_measure(
     path = cache_path(target_path, draft_path, target.n_threads)
     if path.is_file():
         try:
-            curve = CostCurve.from_json(path.read_text())
-            if runner is None or curve.draft_step_ms > 0:
+            text = path.read_text()
+            curve = CostCurve.from_json(text)
+            # a draft's curve from before draft_switch_ms was measured would price drafting too cheaply
+            if runner is None or (curve.draft_step_ms > 0 and '"draft_switch_ms"' in text):
                 return curve
         except HeteroSpecError:
             pass  # unreadable or old: measure again
@@ -337,4 +372,4 @@ def save(curve: CostCurve, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CostCurve", "measure", "cache_path", "load_or_measure", "save", "machine_id", "timings_count"]
+__all__ = ["CostCurve", "measure", "merge", "cache_path", "load_or_measure", "save", "machine_id", "timings_count"]

@@ -14,19 +14,25 @@ from pathlib import Path
 
 import click
 
-from hetero_spec.bench.projection import CURVES, load_curve, project_result
+from hetero_spec.bench.projection import CURVES, THIS_RUN, load_curve, project_result, this_run_curve
 from hetero_spec.bench.report import bench_dict, markdown, projection_markdown
 from hetero_spec.bench.results import load_bench_json
+from hetero_spec.errors import HeteroSpecError
 
 
 @click.command()
 @click.argument("bench_json", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--curve", "curves", multiple=True, default=tuple(CURVES), show_default=True,
-              help="a shipped curve name or a calibration JSON; repeatable")
+              help="a shipped curve name, a calibration JSON, or this-run (the curve the bench timed "
+                   "between its prompts, with --project this-run); repeatable")
 @click.option("--write", is_flag=True, help="store the projections in BENCH_JSON and rewrite bench.md beside it")
 def main(bench_json: Path, curves: tuple[str, ...], write: bool) -> None:
     result = load_bench_json(bench_json)
-    result.projections = project_result(result, dict(load_curve(c) for c in curves))
+    try:
+        loaded = dict((THIS_RUN, this_run_curve(result)) if c == THIS_RUN else load_curve(c) for c in curves)
+    except HeteroSpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    result.projections = project_result(result, loaded)
     if not result.projections:
         raise click.ClickException(f"{bench_json} holds no recorded rounds (run hetero-spec methods such as auto)")
     click.echo("\n".join(projection_markdown(result.projections)))

@@ -46,7 +46,8 @@ def _split(value: str) -> tuple[str, ...]:
                                                 "(space-separated, e.g. '--spec-ngram-simple-size-n 4')")
 @click.option("--project", "curves", multiple=True, metavar="CURVE",
               help="also project each speculative method's recorded rounds onto a cost curve: a shipped "
-                   "name (this-machine, laptop-7b-q4_0) or a calibration JSON; repeatable")
+                   "name (this-machine, laptop-7b-q4_0), a calibration JSON, or this-run (a calibration pass "
+                   "timed after every prompt, so the curve sees the machine when the prompts did); repeatable")
 @click.option("--template", type=click.Choice(["gguf", "plain"]), default="gguf", show_default=True,
               help="gguf: prompts in the model's chat template; plain: 'User: ...\\n\\nAssistant:' raw text, for base "
                    "models without a template")
@@ -60,7 +61,7 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
     from ..target.llama_target import default_threads
     from .baselines import BenchTarget
     from .harness import BenchConfig, load_dataset, run_bench
-    from .projection import load_curve, project_result
+    from .projection import THIS_RUN, load_curve, project_result, this_run_curve
     from .report import markdown, write_bench
 
     cfg = BenchConfig(
@@ -70,11 +71,12 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
                            llama_draft_model=llama_draft_model, eagle3_gguf=eagle3_gguf,
                            llama_args=tuple(llama_args.split())),
         datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
-        template=template,
+        template=template, calibrate=THIS_RUN in curves,
     )
     if not cfg.datasets or not cfg.methods:
         raise HeteroSpecError("--datasets and --methods need at least one entry each")
-    loaded = dict(load_curve(c) for c in curves)  # bad names fail here, before minutes of benchmarking
+    # bad names fail here, before minutes of benchmarking; this run's own curve comes after it
+    loaded = {c: None for c in curves if c == THIS_RUN} | dict(load_curve(c) for c in curves if c != THIS_RUN)
     for d in cfg.datasets:
         load_dataset(d, n_prompts)  # a bad name or file fails here, before any model loads
     with tqdm(desc="bench", unit="run") as bar:
@@ -87,6 +89,8 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
             bar.refresh()
 
         result = run_bench(cfg, progress=step, planned=planned)
+    if THIS_RUN in loaded:
+        loaded[THIS_RUN] = this_run_curve(result)
     result.projections = project_result(result, loaded) if loaded else []
     paths = write_bench(result, out)
     click.echo(markdown(result))
@@ -125,5 +129,6 @@ def calibrate(model, draft, threads, quick, repeats, draft_device, out, plot) ->
             line += f"\t{curve.draft_rows_ms.get(n, float('nan')):.2f}"
         click.echo(line)
     if draft is not None:
-        click.echo(f"draft step: {curve.draft_step_ms:.3f} ms")
+        click.echo(f"draft step: {curve.draft_step_ms:.3f} ms (+{curve.draft_switch_ms:.3f} ms for a round's first "
+                   "step, right after a target decode)")
     click.echo(f"wrote {path} and {png}", err=True)

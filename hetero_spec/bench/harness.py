@@ -12,6 +12,7 @@ shared ``BenchContext``.  Adding a hetero-spec variant is one entry, e.g.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -130,6 +131,9 @@ class BenchConfig:
     # "gguf": prompts rendered with the model's chat template; "plain": as raw text in the plain
     # template's turns (hetero_spec.chat_template.plain_prompt), for base models without a template
     template: str = "gguf"
+    # time one quick calibration pass after every prompt; their per-n medians are this run's own
+    # cost curve (meta["calibration"], what ``--project this-run`` projects with)
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.template not in ("gguf", "plain"):
@@ -169,6 +173,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None,
             for m in methods:
                 runners[m].run(prompts[0][2], 4)
         records: list[PromptRecord] = []
+        passes = []
         for j, (dname, i, ids) in enumerate(prompts):
             order = methods[j % len(methods):] + methods[: j % len(methods)]  # rotate who goes first
             results: dict[str, RunResult] = {}
@@ -177,9 +182,25 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None,
                 if progress:
                     progress(m)
             records += _records(results, dname, i, len(ids))
+            if cfg.calibrate:
+                passes.append(_calibration_pass(ctx))
+        if passes:
+            from ..calibration import merge
+
+            meta["calibration"] = {"passes": len(passes), "curve": json.loads(merge(passes).to_json())}
     finally:
         ctx.close()
     return BenchResult(meta, records)
+
+
+def _calibration_pass(ctx: BenchContext):
+    """One timing of each of the first-use calibration's rows, and the draft's step, on the bench's own
+    target and draft (both caches are reset before every run anyway)."""
+    from ..api import QUICK_ROWS
+    from ..calibration import describe_files, measure
+
+    t = ctx.target
+    return measure(ctx.hs.target, ctx.hs.draft, ns=QUICK_ROWS, repeats=1, model=describe_files(t.model, t.draft))
 
 
 def _build_runners(ctx: BenchContext, methods: list[str]) -> tuple[dict[str, Runner], dict[str, str]]:

@@ -5,12 +5,14 @@ accepts, is the target's alone and does not depend on the machine.  What a round
 verifying n rows costs t(n)/t(1) single-row decodes (steep on 2 small cores, nearly flat on a
 memory-bound 7B laptop).  Replaying each prompt's ``Round`` records against a curve gives
 
-    projected decode speedup = sum(emitted tokens) / sum(t(rows)/t(1) + draft steps x step/t(1))
+    projected decode speedup = sum(emitted tokens) / sum(t(rows)/t(1) + (draft steps x step + switch)/t(1))
 
 against plain decoding, which pays t(1) per token.  A round verifies drafted + 1 rows; a
 draft-model chain costs one draft step per drafted token, a shadow probe (no rows drafted)
-one step per token it drafted, a prompt-lookup round none.  Tree rounds are priced at one step
-per drafted node, an upper bound (a tree drafts a whole level per forward).  Prefill and the
+one step per token it drafted, a prompt-lookup round none; a round that ran the draft also pays
+the curve's ``draft_switch_ms`` once (its first forward right after a target decode).  Tree
+rounds are priced at one step per drafted node, an upper bound (a tree drafts a whole level per
+forward).  Prefill and the
 orchestrator's own per-round overhead are left out: these are projections of decode speed,
 labelled as such wherever they are printed.
 
@@ -20,6 +22,7 @@ labelled as such wherever they are printed.
 """
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from importlib import resources
@@ -28,6 +31,7 @@ from typing import Any, Sequence
 
 from ..calibration import CostCurve
 from ..errors import HeteroSpecError
+from ..spec.orchestrator import CATCHUP_ROWS
 from .results import ROUND_FIELDS, BenchResult, PromptRecord
 
 # Curves shipped in hetero_spec/bench/data/curves/ (see data/README.md).
@@ -35,6 +39,9 @@ CURVES = {
     "this-machine": "this-machine.json",  # hetero-spec calibrate on the development VM
     "laptop-7b-q4_0": "laptop-7b-q4_0.json",  # roofline.LAPTOP_7B_Q4_0
 }
+# Not a file: the bench times a calibration pass after every prompt and projects with their medians
+# (``BenchConfig.calibrate``), so that the curve sees the machine in the same minutes as the prompts.
+THIS_RUN = "this-run"
 _I = {name: i for i, name in enumerate(ROUND_FIELDS)}
 
 
@@ -47,8 +54,16 @@ def load_curve(spec: str) -> tuple[str, CostCurve]:
         return spec, CostCurve.from_json(res.read_text())
     path = Path(spec)
     if not path.is_file():
-        raise HeteroSpecError(f"no cost curve {spec!r}: use {', '.join(CURVES)} or a calibration JSON file")
+        raise HeteroSpecError(f"no cost curve {spec!r}: use {', '.join(CURVES)}, {THIS_RUN} or a calibration JSON file")
     return path.stem, CostCurve.from_json(path.read_text())
+
+
+def this_run_curve(result: BenchResult) -> CostCurve:
+    """The curve a bench run with ``calibrate`` measured alongside its prompts."""
+    cal = result.meta.get("calibration")
+    if not cal:
+        raise HeteroSpecError("this bench run timed no calibration passes")
+    return CostCurve.from_json(json.dumps(cal["curve"]))
 
 
 @dataclass(frozen=True)
@@ -62,25 +77,42 @@ class Replay:
         return self.tokens / self.cost if self.cost > 0 else 0.0
 
 
-def round_cost(row: Sequence[Any], curve: CostCurve) -> float:
-    """One recorded round (a ``ROUND_FIELDS`` row) in single-row decodes on ``curve``."""
-    drafted, draft_s, source = row[_I["drafted"]], row[_I["draft_s"]], row[_I["source"]]
+def _draft_steps(row: Sequence[Any]) -> int:
+    """Draft-model steps a recorded round ran: one per drafted token, a shadow probe's depth, none for lookup."""
+    if row[_I["source"]] == "lookup":
+        return 0
+    if row[_I["drafted"]] > 0:
+        return row[_I["drafted"]]
+    if len(row) > _I["shadow"]:
+        return row[_I["shadow"]]  # a shadow probe: the draft ran that many steps, no row was added
+    return 1 if row[_I["draft_s"]] > 0 else 0  # bench.json from before "shadow": its shadow probes drafted one
+
+
+def round_cost(row: Sequence[Any], curve: CostCurve, catchup: int = 1) -> float:
+    """One recorded round (a ``ROUND_FIELDS`` row) in single-row decodes on ``curve``; ``catchup``: the
+    real rows the draft's first forward consumes (``replay`` counts them), priced where the curve
+    measured draft forwards over n rows."""
+    drafted = row[_I["drafted"]]
     if drafted < 0:
         raise HeteroSpecError(f"a round cannot draft {drafted} tokens")
-    if source == "lookup":
-        steps = 0
-    elif drafted > 0:
-        steps = drafted
-    elif len(row) > _I["shadow"]:
-        steps = row[_I["shadow"]]  # a shadow probe: the draft ran that many steps, no row was added
-    else:
-        steps = 1 if draft_s > 0 else 0  # bench.json from before "shadow": its shadow probes drafted one
-    return curve.verify_ratio(drafted + 1) + steps * curve.draft_step_ms / curve.verify_ms[1]
+    steps = _draft_steps(row)
+    draft_ms = 0.0
+    if steps:
+        draft_ms = steps * curve.draft_step_ms + curve.draft_switch_ms
+        if catchup > 1 and curve.draft_rows_ms:
+            draft_ms += curve.draft_rows_time_ms(catchup) - curve.draft_rows_time_ms(1)
+    return curve.verify_ratio(drafted + 1) + draft_ms / curve.verify_ms[1]
 
 
 def replay(rounds: Sequence[Sequence[Any]], curve: CostCurve) -> Replay:
-    """The rounds of one generation priced on ``curve``."""
-    return Replay(sum(int(r[_I["emitted"]]) for r in rounds), len(rounds), sum(round_cost(r, curve) for r in rounds))
+    """The rounds of one generation priced on ``curve``.  A round that runs the draft first consumes
+    the rows emitted since the draft last ran (at most ``CATCHUP_ROWS``; the prompt's rows are
+    prefilled apart): after a k=1 round the draft reads one or two rows, not the one a step times."""
+    cost, since = 0.0, 1
+    for r in rounds:
+        cost += round_cost(r, curve, min(since, CATCHUP_ROWS))
+        since = int(r[_I["emitted"]]) + (0 if _draft_steps(r) else since)
+    return Replay(sum(int(r[_I["emitted"]]) for r in rounds), len(rounds), cost)
 
 
 def decode_tps(rec: PromptRecord) -> float | None:
@@ -125,4 +157,4 @@ def _row(label: str, curve: CostCurve, method: str, dataset: str, recs: list[Pro
     }
 
 
-__all__ = ["CURVES", "load_curve", "replay", "round_cost", "project_result", "Replay", "decode_tps"]
+__all__ = ["CURVES", "THIS_RUN", "this_run_curve", "load_curve", "replay", "round_cost", "project_result", "Replay", "decode_tps"]

@@ -129,8 +129,10 @@ def projection_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The projections table: replayed rounds priced by a cost curve, beside the measured decode speedup."""
     out = ["## Projected speedups (PROJECTIONS, not measurements)", "",
            "Each prompt's recorded rounds replayed against a cost curve: a round costs t(rows)/t(1) plus its draft "
-           "steps x draft step / t(1); plain decoding costs 1 per token.  Decode only (prefill excluded), orchestrator "
-           "overhead excluded.  `measured decode` is this run's decode speedup over raw on the same prompts.", "",
+           "steps x draft step / t(1) (and, if it ran the draft, the switch from the target once); plain decoding "
+           "costs 1 per token.  Decode only (prefill excluded), orchestrator overhead excluded.  `measured decode` is "
+           "this run's decode speedup over raw on the same prompts; curve `this-run`: calibration passes timed "
+           "between this run's prompts.", "",
            "| curve | method | dataset | projected speedup | measured decode speedup | tokens/round |",
            "|---|---|---|---:|---:|---:|"]
     for r in rows:

@@ -35,6 +35,7 @@ class Curve(Protocol):
     """What the policy needs of ``hetero_spec.calibration.CostCurve``."""
 
     draft_step_ms: float
+    draft_switch_ms: float
 
     def verify_time_ms(self, n: int) -> float: ...
     def draft_rows_time_ms(self, n: int) -> float: ...
@@ -147,12 +148,14 @@ def expected_emitted(alphas: list[float]) -> float:
 
 
 def round_cost_ms(curve: Curve, shape: Shape) -> float:
-    """Verification of the root plus the drafted tokens, plus one draft forward per depth (none for lookup)."""
+    """Verification of the root plus the drafted tokens, plus one draft forward per depth and the
+    first one's switch from the target (none for lookup)."""
     if shape.depth == 0:
         return curve.verify_time_ms(1)
     if shape.source == "lookup":
         return curve.verify_time_ms(1 + shape.tokens)
-    draft = curve.draft_step_ms + sum(curve.draft_rows_time_ms(shape.width) for _ in range(shape.depth - 1))
+    draft = curve.draft_step_ms + curve.draft_switch_ms
+    draft += sum(curve.draft_rows_time_ms(shape.width) for _ in range(shape.depth - 1))
     return curve.verify_time_ms(1 + shape.tokens) + draft
 
 

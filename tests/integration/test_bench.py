@@ -116,17 +116,22 @@ def test_dataset_loading(custom_jsonl, tmp_path):
 def test_cli_bench_writes_report(model_path, random_draft_path, tmp_path):
     proc = subprocess.run([*CLI, "bench", model_path, random_draft_path, "--datasets", "alpaca", "--n-prompts", "1",
                            "--max-new-tokens", "8", "--methods", "raw,chain", "--ctx", "512", "--out", tmp_path,
-                           "--project", "laptop-7b-q4_0"],
+                           "--project", "laptop-7b-q4_0", "--project", "this-run"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "| chain | alpaca |" in proc.stdout and "bench:" in proc.stderr  # table, progress bar
     assert "PROJECTIONS, not measurements" in proc.stdout and "| laptop-7b-q4_0 | chain | alpaca |" in proc.stdout
+    assert "| this-run | chain | alpaca |" in proc.stdout
     assert (tmp_path / "bench.json").is_file() and (tmp_path / "speedup.png").is_file()
     data = json.loads((tmp_path / "bench.json").read_text())
     chain = next(p for p in data["prompts"] if p["method"] == "chain")
     assert chain["rounds"] and len(chain["rounds"][0]) == len(data["meta"]["round_fields"])
     assert sum(r[2] for r in chain["rounds"]) == chain["new_tokens"] - 1  # rounds emit all but the prefill's token
     assert data["projections"] and all("PROJECTION" in r["label"] for r in data["projections"])
+    cal = data["meta"]["calibration"]  # one pass after the one prompt, with the draft's step and switch
+    assert cal["passes"] == 1 and cal["curve"]["draft_step_ms"] > 0 and "draft_switch_ms" in cal["curve"]
+    mine = next(r for r in data["projections"] if r["curve"] == "this-run" and r["dataset"] == "alpaca")
+    assert mine["curve_t1_ms"] == pytest.approx(cal["curve"]["verify_ms"]["1"])
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+
+import numpy as np
 
 import pytest
 
@@ -23,6 +26,7 @@ def test_curve_covers_1_to_32(curve):
     assert sorted(curve.verify_ms) == list(range(1, 33))
     assert all(v > 0 for v in curve.verify_ms.values()) and curve.verify_ratio(1) == 1.0
     assert sorted(curve.draft_rows_ms) == list(range(1, 33)) and curve.draft_step_ms > 0
+    assert curve.draft_switch_ms >= 0.0
     assert "threads" in curve.machine and curve.model == "test"
 
 
@@ -42,6 +46,55 @@ def test_json_round_trip(curve):
         CostCurve.from_json('{"verify_ms": {"2": 3.0}, "draft_step_ms": 1}')  # no t(1)
     with pytest.raises(HeteroSpecError):
         CostCurve.from_json("not json")
+
+
+def test_a_curve_file_from_before_the_switch_reads_as_none():
+    old = json.dumps({"verify_ms": {"1": 5.0, "2": 7.0}, "draft_step_ms": 1.5, "version": 1})
+    assert CostCurve.from_json(old).draft_switch_ms == 0.0
+
+
+def test_merge_takes_medians_per_row():
+    a = CostCurve({1: 5.0, 2: 8.0}, 1.0, {1: 1.0}, 0.5, machine="m", model="x")
+    b = CostCurve({1: 7.0, 2: 9.0, 4: 12.0}, 2.0, {1: 2.0}, 0.1, machine="m", model="x")
+    c = CostCurve({1: 6.0, 2: 20.0}, 3.0, {1: 3.0}, 0.3, machine="m", model="x")
+    m = calibration.merge([a, b, c])
+    assert m.verify_ms == {1: 6.0, 2: 9.0, 4: 12.0}  # a row timed in one pass only keeps that timing
+    assert (m.draft_step_ms, m.draft_rows_ms, m.draft_switch_ms) == (2.0, {1: 2.0}, 0.3)
+    assert (m.machine, m.model) == ("m", "x")
+    with pytest.raises(HeteroSpecError):
+        calibration.merge([])
+
+
+class _ColdAfterDecodeRunner:
+    """A draft whose step is slow only right after a target decode: what the switch must isolate."""
+
+    def __init__(self, cold_s: float) -> None:
+        self.cold_s, self.cold, self.n = cold_s, False, 0
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def prefill(self, features, tokens) -> None:
+        self.n += len(tokens)
+
+    def propose(self, features, tokens, k) -> list[int]:
+        if self.cold:
+            time.sleep(self.cold_s)
+            self.cold = False
+        self.n += len(tokens) + k - 1
+        return [0] * k
+
+    def rollback(self, n_keep: int) -> None:
+        self.n = n_keep
+
+
+def test_switch_is_what_a_step_right_after_a_target_decode_adds():
+    runner = _ColdAfterDecodeRunner(0.004)
+    hidden, tokens = np.zeros((9, 4), dtype=np.float32), list(range(9))
+    step, rows, switch = calibration._measure_draft(runner, hidden, tokens, [1, 2], 1, None,
+                                                    after=lambda: setattr(runner, "cold", True))
+    assert switch >= 0.004 * 1e3 * 0.9 and step < switch  # a warm step does nothing; a cold one sleeps 4 ms
+    assert sorted(rows) == [1, 2] and runner.n == 0
 
 
 def test_measure_leaves_both_caches_empty_and_embeddings_as_found(hs, curve):
@@ -104,6 +157,12 @@ def test_load_or_measure_caches_per_model(hs, model_path, random_draft_path, tmp
     assert again == first and len(calls) == 1  # the second call read the file
     assert cache_path(model_path, None, hs.target.n_threads) != path  # another draft, another curve
     assert model_path.name in first.model and random_draft_path.name in first.model
+    # a draft's curve written before the switch was measured prices drafting too cheaply: measured again
+    data = json.loads(path.read_text())
+    del data["draft_switch_ms"]
+    path.write_text(json.dumps(data))
+    load_or_measure(hs.target, hs.draft, model_path, random_draft_path)
+    assert len(calls) == 2 and "draft_switch_ms" in json.loads(path.read_text())
 
 
 def test_cli_calibrate(model_path, tmp_path):

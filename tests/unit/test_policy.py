@@ -1,6 +1,8 @@
 """Auto sizing on synthetic cost curves: it picks the sweep's optimum, and plain decoding when drafts fail."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -223,6 +225,20 @@ def test_lookup_rounds_are_costed_without_a_draft_forward():
     c = curve(10.0, 3.0, 0.9)
     assert round_cost_ms(c, Shape(2, source="lookup")) == c.verify_time_ms(3)
     assert round_cost_ms(c, Shape(2)) > round_cost_ms(c, Shape(2, source="lookup"))
+
+
+def test_drafted_rounds_pay_the_switch_once_and_it_can_turn_drafting_off():
+    """A draft round's first forward runs right after a target decode (the draft's weights evicted):
+    priced once per round, so it weighs on short chains most."""
+    base = curve(10.0, 3.0, 0.9)
+    c = replace(base, draft_switch_ms=4.0)
+    for d in (1, 3):
+        assert round_cost_ms(c, Shape(d)) == pytest.approx(round_cost_ms(base, Shape(d)) + 4.0)
+    assert round_cost_ms(c, Shape(2, source="lookup")) == round_cost_ms(base, Shape(2, source="lookup"))
+    assert round_cost_ms(c, Shape(0)) == round_cost_ms(base, Shape(0))
+    alphas = [0.6] * 8  # k=1: 1.6 tokens for 13.9 ms against 10 a token; with the switch, 17.9 ms
+    assert best_shape(base, alphas, 1, 0, 1)[0].depth == 1
+    assert best_shape(c, alphas, 1, 0, 1)[0].depth == 0
 
 
 def test_shadow_evidence_replaces_lookup_probes():

@@ -50,6 +50,28 @@ def test_draft_steps_are_priced_per_drafted_token_and_lookup_is_free():
     assert replay([rnd(2, 2), rnd(2, 2, source="lookup")], curve).speedup == pytest.approx(6 / 3.0)
 
 
+def test_a_round_that_ran_the_draft_pays_the_switch_once():
+    """The first draft forward after a target decode runs with the draft's weights evicted: priced once
+    per round that ran the draft (chains and shadow probes alike), never for lookup or plain rounds."""
+    curve = CostCurve({1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0}, draft_step_ms=5.0, draft_switch_ms=2.0)
+    assert round_cost(rnd(3, 3), curve) == pytest.approx(1 + 3 * 0.5 + 0.2)
+    assert round_cost(rnd(0, 0, draft_s=0.002, shadow=2), curve) == pytest.approx(1 + 2 * 0.5 + 0.2)
+    assert round_cost(rnd(3, 3, source="lookup"), curve) == pytest.approx(1.0)
+    assert round_cost(rnd(0, 0), curve) == pytest.approx(1.0)
+
+
+def test_the_draft_catches_up_on_the_rows_emitted_since_it_last_ran():
+    """A round that runs the draft first reads every row emitted since the draft last ran (the previous
+    chain's accepted tokens plus the target's own, or a lookup round's), priced by the curve's row forwards."""
+    curve = CostCurve({n: 10.0 for n in range(1, 9)}, draft_step_ms=1.0, draft_rows_ms={1: 1.0, 2: 3.0, 4: 5.0})
+    rounds = [rnd(1, 1), rnd(1, 0), rnd(2, 2, source="lookup"), rnd(1, 1)]  # emit 2, 1, 3, 2
+    p = replay(rounds, curve)
+    # rows read 1, 2, -, 1 + 3 (the lookup round's three wait for the draft): + 0, 2, -, 4 ms on one step's 1 ms
+    assert p.cost == pytest.approx((1 + 0.1) + (1 + 0.1 + 0.2) + 1 + (1 + 0.1 + 0.4))
+    no_rows = CostCurve({n: 10.0 for n in range(1, 9)}, draft_step_ms=1.0)  # not measured: not priced
+    assert replay(rounds, no_rows).cost == pytest.approx(4 + 0.3)
+
+
 def test_interpolated_curve_and_truncated_rounds():
     curve = CostCurve({1: 10.0, 3: 20.0}, draft_step_ms=0.0)  # t(2) interpolates to 15 ms
     assert round_cost(rnd(1, 1), curve) == pytest.approx(1.5)
