@@ -12,8 +12,9 @@ depth j-1 was.  D = 0 is a plain round through the same loop; when speculation c
 round every ``probe_every`` rounds, so it stays close to plain speed.
 
 T(D) is the calibrated curve corrected by what rounds actually cost: calibration times
-the target and the draft each on its own, while in the loop they alternate and evict each
-other's caches and spin each other's thread pools.  Measured on SmolLM2 Q4_0 (2 threads):
+the target and the draft each on its own (plus the draft's switch, a step right after a
+target decode: ``CostCurve.draft_switch_ms``), while in the loop they alternate and evict
+each other's caches and spin each other's thread pools.  Measured on SmolLM2 Q4_0 (2 threads):
 a one-draft round cost 2.1-2.3 t(1) against the curve's 1.58, so auto trusted the curve,
 drafted at break-even and ran at 0.93-0.96x of plain decoding.
 
