@@ -54,8 +54,8 @@ class CostCurve:
     ``draft_switch_ms``: what the first draft forward of a round costs beyond ``draft_step_ms``
     because a target decode ran just before it, as one always has in the loop.  On a CPU draft
     the decode evicts the draft's weights from the shared cache: on SmolLM2 Q4_0 (2-core EPYC,
-    32 MiB L3, int8 darter) a step after a verification took 2.9-3.6 ms against 2.1-2.8 ms back to
-    back, and the calibration without it put a fixed k=1 chain at 0.91x where it ran at 0.73x.
+    32 MiB L3, int8 darter) a step right after a two-row verification took 3.3-3.6 ms against
+    2.2-2.8 ms back to back (a verification right after a step was not measurably slower).
     """
 
     verify_ms: dict[int, float]
@@ -288,10 +288,10 @@ def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int],
         # cost (measured: 2.1-2.5 ms against 1.1 ms after 3 warm-up steps), and auto would then
         # price drafting at double; warm up by time as well as by count.
         _warm_up(step, calls=30, seconds=0.1)
-        reps = max(repeats, 15)
-        step_ms = _median_ms(step, reps)
+        n_steps = max(repeats, 15)
+        step_ms = _median_ms(step, n_steps)
         cold = []
-        for _ in range(reps):
+        for _ in range(n_steps):
             after()
             cold.append(_median_ms(step, 1))
         switch_ms = max(0.0, statistics.median(cold) - step_ms)
@@ -315,7 +315,10 @@ def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int],
 
 # ---------------------------------------------------------------------- caching
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "hetero-spec" / "calibration"
+    """``calibration/`` under hetero-spec's cache (``$HETERO_SPEC_CACHE`` moves all of it)."""
+    from .target.gguf_weights import cache_dir as root
+
+    return root() / "calibration"
 
 
 def cache_path(target_path: str | Path, draft_path: str | Path | None, threads: int) -> Path:

@@ -1,6 +1,10 @@
 """Shared fixtures: the real default GGUF, the benchmark prompts, an untrained draft for it."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -8,8 +12,25 @@ import pytest
 
 from hetero_spec.bench.prompts import bench_prompts  # noqa: F401  (the shipped sets, package data)
 from hetero_spec.default_model import shipped_model_path
+from hetero_spec.target.gguf_weights import cache_dir
 
 warnings.filterwarnings("ignore", message=".*quantiz.*", category=UserWarning)
+
+
+def _private_cache() -> None:
+    """Every cache the tests write (dequantized weights, int8 checks, calibrations: keyed by file path,
+    so one set per run for the temporary GGUFs and drafts, about 150 MB) goes to a folder removed at
+    exit; the default models are shared with the user's cache (building them takes a while).  Set in
+    the environment so that the CLI's subprocesses use it too."""
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="hetero-spec-test-cache-"))
+    (root / "models").symlink_to(models, target_is_directory=True)
+    os.environ["HETERO_SPEC_CACHE"] = str(root)
+    atexit.register(shutil.rmtree, root, True)
+
+
+_private_cache()
 
 
 @pytest.fixture(scope="session")

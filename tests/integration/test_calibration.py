@@ -140,7 +140,7 @@ def test_draft_step_warm_up_runs_for_both_its_count_and_its_time():
 
 
 def test_load_or_measure_caches_per_model(hs, model_path, random_draft_path, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("HETERO_SPEC_CACHE", str(tmp_path))
     calls = []
     real = calibration.measure
 
