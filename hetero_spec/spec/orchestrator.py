@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import SamplingConfig
 from ..records import Round
-from .policy import CATCHUP_ROWS, LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
+from .policy import LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
 from .sampling import process_logits, process_support, sample_support
 from .lookup import NgramLookup, lookup_evidence
 from .shadow import ShadowChain
@@ -24,6 +24,11 @@ from .tree import Tree
 from .verify import greedy_accept, greedy_accept_tree, sample_accept_tree
 
 TOKEN_BYTES = 4  # int32 ids on both sides
+# Most rows a draft catches up on before it drafts; older pending rows become holes.  After a
+# plain stretch auto probes with one drafted round, and catching up on all 128 rows since
+# the last probe took 6.2 ms against 1.0 ms for 8 and 2.0 ms for 32 (eagle draft, 1 thread):
+# most of the probe's cost.  An EAGLE-style draft leans on the recent rows.
+CATCHUP_ROWS = 16
 
 
 class Target(Protocol):
@@ -139,7 +144,6 @@ class Policy(Protocol):
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None: ...
     def expects_drafting(self) -> bool: ...
     def wants_rows(self, within: int) -> bool: ...
-    catchup_rows: int  # most pending rows the draft catches up on before it drafts (older: holes)
 
 
 def generate_tokens(
@@ -168,7 +172,7 @@ def generate_tokens(
     # gets no prompt rows at all: with embeddings on, every row of a micro-batch pays the LM
     # head (measured: +7% prefill time for the last 32-row chunk alone).  The draft then has
     # holes over the prompt and catches up from the first generated row.
-    lazy = speculative and policy is not None and not policy.wants_rows(0)
+    lazy = speculative and policy is not None and not policy.expects_drafting()
     hidden_from = len(prompt) if lazy else None
     hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative else None, hidden_from=hidden_from)
     x = _pick(logits, sampling, rng)
@@ -302,7 +306,7 @@ def _tree_round(
     if shape.probe and shape.width == 1 and sampling.greedy and shadow is not None and not shadow.guesses:
         return _shadow_probe_round(target, draft, x, pending, policy, sampling, rng, left, offered, shadow,
                                    min(depth, total))
-    pending.trim(draft, policy.catchup_rows)
+    pending.trim(draft)
     m = len(pending.next_tokens)
     td = time.perf_counter()
     prop = draft.propose_tree(pending.features, pending.next_tokens, top_k=shape.width, total_tokens=total,
@@ -387,7 +391,7 @@ def _shadow_probe_round(target, draft, x: int, pending: _Pending, policy: Policy
     (``ShadowChain``).  A verified probe cost about 2.4 plain rounds on SmolLM2 Q4_0 (two-row
     decode right after the draft ran) for 1.7 tokens; this one costs the draft forwards."""
     td = time.perf_counter()
-    pending.trim(draft, policy.catchup_rows)
+    pending.trim(draft)
     guesses = draft.propose(pending.features, pending.next_tokens, depth)
     draft.rollback(draft.n - (depth - 1))  # the drafted tokens' cells: only real rows stay
     draft_s = time.perf_counter() - td

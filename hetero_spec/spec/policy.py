@@ -65,27 +65,10 @@ class Shape:
         return min(full, self.total) if self.total else full
 
 
-# Most rows a draft catches up on before it drafts; older pending rows become holes.  After a
-# plain stretch auto probes with one drafted round, and catching up on all 128 rows since
-# the last probe took 6.2 ms against 1.0 ms for 8 and 2.0 ms for 32 (eagle draft, 1 thread):
-# most of the probe's cost.  An EAGLE-style draft leans on the recent rows.
-CATCHUP_ROWS = 16
-# Auto keeps every row for the draft (the prompt's, every plain round's, and all of them caught up at
-# a probe) where a draft step and its switch cost at most this share of a plain decode.  Holes cost
-# acceptance: on SmolLM2's greedy answers the darter's shadow probes (one every 20 rounds) took the
-# first token 59% of the time with rows kept only for the 16 rounds before each probe and the
-# prompt's skipped, 62% with every row kept, and a steady k=1 chain 63%; on gsm8k 54% against 66% and
-# 73%.  On the scale-10 target (a step 0.04 t(1)) that was the difference between a k=1 chain
-# estimated under auto's margin and one that pays; the rows cost an output row per decode and a
-# catch-up forward per probe, a few % of a decode there but 25-45% on SmolLM2 Q4_0 (step 0.3 t(1)).
-KEEP_ROWS_STEP_SHARE = 0.1
-
-
 class FixedPolicy:
     """The same shape every round (``--draft-len N`` or a fixed tree)."""
 
     lookup_depth = 0  # never proposes from prompt lookup
-    catchup_rows = CATCHUP_ROWS
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
@@ -338,9 +321,6 @@ class AutoPolicy:
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
         self._t1_ms = curve.verify_time_ms(1)
-        draft_ms = curve.draft_step_ms + curve.draft_switch_ms
-        self.keep_rows = 0 < draft_ms <= KEEP_ROWS_STEP_SHARE * self._t1_ms  # no holes where rows are cheap
-        self.catchup_rows = max(CATCHUP_ROWS, max_probe_gap) if self.keep_rows else CATCHUP_ROWS
 
     def _best(self) -> Shape:
         # Plain rounds leave the statistics alone, so a long plain stretch pays for this search
@@ -410,13 +390,12 @@ class AutoPolicy:
         return self._best().depth > 0
 
     def wants_rows(self, within: int) -> bool:
-        """Whether the draft model will want the hidden state of a plain round now (``within`` 0: the
-        prompt's rows): always where rows are cheap (``keep_rows``), else when drafting is expected,
+        """Whether the draft model will want the hidden state of a plain round now: drafting is expected,
         or its next probe is at most ``within`` rounds away (a probe catches up on that many recent
         rows at most, older ones are holes anyway).  Other plain rounds decode without embeddings,
         as plain decoding does (measured on SmolLM2 Q4_0, 2 threads: rounds with embeddings on ran at
         0.975x of the raw loop)."""
-        return self.keep_rows or self.expects_drafting() or self._draft_probe.rounds_to_due <= within
+        return self.expects_drafting() or self._draft_probe.rounds_to_due <= within
 
     def choose(self, lookup: int = 0, match: int = 0) -> Shape:
         """This round's shape; ``lookup``: tokens prompt lookup offers this round (0: no match);

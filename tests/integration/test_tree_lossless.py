@@ -364,30 +364,6 @@ def test_auto_plain_stretches_decode_without_embeddings_and_probes_still_get_the
     assert -1 in draft.cell_tokens[len(prompt):]  # plain rounds' positions became holes
 
 
-def test_a_cheap_draft_gets_every_row_and_the_output_stays_plain(hs, monkeypatch):
-    """Where a draft step costs a twentieth of a decode, auto keeps every row for it: the prompt's, every
-    plain round's (embeddings always on), and a probe reads all the rows since the last one, beyond
-    CATCHUP_ROWS; the draft's context has no holes and the output is the plain one."""
-    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
-    hs.reset()
-    plain = hs.generate(prompt, max_new_tokens=128, draft_len=0).tokens
-    draft = OracleTreeDraft(prompt + plain, error_rate=1.0)
-    probe_rows: list[int] = []
-    propose = draft.propose
-    monkeypatch.setattr(draft, "propose", lambda f, t, k: probe_rows.append(len(t)) or propose(f, t, k))
-    embeddings: list[bool] = []
-    verify = hs.target.verify
-    monkeypatch.setattr(hs.target, "verify", lambda t: embeddings.append(hs.target.embeddings) or verify(t))
-    policy = AutoPolicy(CostCurve({n: 10.0 * n for n in range(1, 33)}, 0.5), probe_budget=None)
-    assert policy.keep_rows
-    hs.target.reset()
-    steps = list(generate_tokens(hs.target, draft, prompt, max_new_tokens=128, draft_len=1, policy=policy))
-    assert [t for s in steps for t in s.tokens] == plain
-    assert embeddings and all(embeddings)
-    assert len(probe_rows) >= 2 and max(probe_rows) > CATCHUP_ROWS  # the gap doubled past the usual window
-    assert -1 not in draft.cell_tokens[: draft.n]  # no holes, the prompt's rows included
-
-
 def test_a_full_draft_takes_no_more_holes_and_the_output_stays_plain(hs, monkeypatch):
     """Plain rounds without embeddings skip the draft's positions; once its context is full they stop."""
     prompt = hs.target.tokenize(hs.render([{"role": "user", "content": PROMPTS[0]}]), add_special=False)
