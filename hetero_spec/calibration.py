@@ -351,7 +351,7 @@ def load_or_measure(
             text = path.read_text()
             curve = CostCurve.from_json(text)
             # a draft's curve from before draft_switch_ms was measured would price drafting too cheaply
-            if runner is None or (curve.draft_step_ms > 0 and '"draft_switch_ms"' in text):
+            if runner is None or (curve.draft_step_ms > 0 and "draft_switch_ms" in json.loads(text)):
                 return curve
         except HeteroSpecError:
             pass  # unreadable or old: measure again

@@ -76,7 +76,7 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
     if not cfg.datasets or not cfg.methods:
         raise HeteroSpecError("--datasets and --methods need at least one entry each")
     # bad names fail here, before minutes of benchmarking; this run's own curve comes after it
-    loaded = {c: None for c in curves if c == THIS_RUN} | dict(load_curve(c) for c in curves if c != THIS_RUN)
+    loaded = dict(load_curve(c) for c in curves if c != THIS_RUN)
     for d in cfg.datasets:
         load_dataset(d, n_prompts)  # a bad name or file fails here, before any model loads
     with tqdm(desc="bench", unit="run") as bar:
@@ -89,8 +89,8 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
             bar.refresh()
 
         result = run_bench(cfg, progress=step, planned=planned)
-    if THIS_RUN in loaded:
-        loaded[THIS_RUN] = this_run_curve(result)
+    if cfg.calibrate:
+        loaded = {THIS_RUN: this_run_curve(result)} | loaded
     result.projections = project_result(result, loaded) if loaded else []
     paths = write_bench(result, out)
     click.echo(markdown(result))
