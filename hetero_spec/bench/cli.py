@@ -21,6 +21,9 @@ def _split(value: str) -> tuple[str, ...]:
 @click.option("--datasets", default="mt_bench,humaneval,gsm8k,alpaca", show_default=True,
               help="comma-separated: shipped set names or paths to JSONL files with a 'turns' list per line")
 @click.option("--n-prompts", default=8, show_default=True, type=click.IntRange(1), help="first N prompts of each")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1),
+              help="passes over the prompts, each in the mirror order of the last; each method keeps its fastest "
+                   "run per prompt (a shared machine's slow spells add time, never remove it)")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--k", default=3, show_default=True, type=click.IntRange(1, 31), help="draft tokens per round (chain)")
 @click.option("--methods", default="raw,llama-cpp,prompt-lookup,chain", show_default=True,
@@ -52,7 +55,7 @@ def _split(value: str) -> tuple[str, ...]:
               help="gguf: prompts in the model's chat template; plain: 'User: ...\\n\\nAssistant:' raw text, for base "
                    "models without a template")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
-def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
+def bench(model, draft, datasets, n_prompts, repeats, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
           lookup_tokens, tree_tokens, tree_depth, tree_top_k, kv_type, llama_draft_model, eagle3_gguf, llama_args,
           curves, template, out) -> None:
     """Time raw llama.cpp, llama-cpp-python, llama.cpp's own speculation and hetero-spec side by side."""
@@ -71,7 +74,7 @@ def bench(model, draft, datasets, n_prompts, max_new_tokens, k, methods, threads
                            llama_draft_model=llama_draft_model, eagle3_gguf=eagle3_gguf,
                            llama_args=tuple(llama_args.split())),
         datasets=_split(datasets), methods=_split(methods), n_prompts=n_prompts, max_new_tokens=max_new_tokens,
-        template=template, calibrate=THIS_RUN in curves,
+        template=template, calibrate=THIS_RUN in curves, repeats=repeats,
     )
     if not cfg.datasets or not cfg.methods:
         raise HeteroSpecError("--datasets and --methods need at least one entry each")

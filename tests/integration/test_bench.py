@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -100,6 +101,44 @@ def test_registry_takes_a_new_method_in_one_entry(model_path, random_draft_path)
         assert all(a <= 1 for r in res.records for a in r.accepted)
     finally:
         METHODS.pop("chain-k1")
+
+
+def test_repeats_run_in_mirrored_order_and_keep_each_methods_fastest_run(model_path):
+    """--repeats 2: two passes, each prompt A B in one and B A in the other; a run slowed by a (here
+    injected) noisy spell is dropped."""
+    calls: list[str] = []
+
+    class Recorded:
+        def __init__(self, inner, name: str) -> None:
+            self.inner, self.name = inner, name
+
+        def run(self, prompt, max_new_tokens):
+            calls.append(self.name)
+            r = self.inner.run(prompt, max_new_tokens)
+            first = calls.count(self.name) == 1 and self.name == "slowed"
+            return replace(r, wall_s=r.wall_s + 5.0) if first else r
+
+        def close(self):
+            pass
+
+    raw = METHODS["raw"]
+    register(Method("raw", raw.description, lambda c: Recorded(raw.build(c), "raw")))
+    register(Method("slowed", "raw, its first run in the bench 5 s slower",
+                    lambda c: Recorded(raw.build(c), "slowed")))
+    try:
+        cfg = BenchConfig(target=BenchTarget(model_path, None, threads=default_threads(), n_ctx=512),
+                          datasets=("gsm8k",), methods=("raw", "slowed"), n_prompts=2, max_new_tokens=6,
+                          warmup=False, repeats=2)
+        ticks = []
+        res = run_bench(cfg, progress=ticks.append)
+    finally:
+        METHODS.pop("slowed")
+        register(raw)
+    assert len(ticks) == 8 and res.meta["repeats"] == 2 and "fastest of 2 runs" in res.meta["timing"]
+    assert calls == ["raw", "slowed", "slowed", "raw",  # pass 1: prompt 1 A B, prompt 2 the other first
+                     "slowed", "raw", "raw", "slowed"]  # pass 2: mirrored, so each prompt's order flips
+    slowed = [r for r in res.records if r.method == "slowed"]
+    assert len(slowed) == 2 and all(r.equal for r in slowed) and all(r.wall_s < 5.0 for r in slowed)
 
 
 def test_dataset_loading(custom_jsonl, tmp_path):
