@@ -132,7 +132,8 @@ def projection_markdown(rows: list[dict[str, Any]]) -> list[str]:
            "steps x draft step / t(1) (and, if it ran the draft, the switch from the target once); plain decoding "
            "costs 1 per token.  Decode only (prefill excluded), orchestrator overhead excluded.  `measured decode` is "
            "this run's decode speedup over raw on the same prompts; curve `this-run`: calibration passes timed "
-           "between this run's prompts.", "",
+           "between this run's prompts, its target times scaled per prompt to raw's own decode time there (the "
+           "context length moves them; the draft's times are kept).", "",
            "| curve | method | dataset | projected speedup | measured decode speedup | tokens/round |",
            "|---|---|---|---:|---:|---:|"]
     for r in rows:

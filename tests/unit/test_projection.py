@@ -111,6 +111,22 @@ def test_project_result_puts_projection_beside_measurement(result):
     assert "PROJECTION" in flat["label"]
 
 
+def test_a_curve_from_this_run_prices_each_prompt_at_the_baselines_decode_speed():
+    """Target times follow the prompt's own decode speed (its context), the draft's stay as timed."""
+    curve = CostCurve({1: 10.0, 2: 15.0}, draft_step_ms=5.0)
+    recs = [_record("raw", 0, [], 0.9, 0.1, 9),  # 8 tokens in 0.8 s: 100 ms a token, ten times the curve's t(1)
+            _record("chain", 0, [rnd(1, 1)] * 4, 0.9, 0.1, 9),
+            _record("raw", 1, [], 0.18, 0.1, 9),  # 10 ms a token, the curve's own t(1)
+            _record("chain", 1, [rnd(1, 1)] * 4, 0.9, 0.1, 9)]
+    res = BenchResult({"methods": {"raw": "", "chain": ""}}, recs)
+    mine = {r["dataset"]: r for r in project_result(res, {"mine": curve}, local=("mine",))}
+    other = {r["dataset"]: r for r in project_result(res, {"mine": curve}, local=())}
+    slow, usual = 8 / (4 * (1.5 + 5 / 100)), 8 / (4 * (1.5 + 5 / 10))  # a k=1 round: 1.5 t(1) and a step
+    assert mine["all"]["projected_speedup"] == pytest.approx((slow + usual) / 2)
+    assert other["all"]["projected_speedup"] == pytest.approx(usual)
+    assert mine["all"]["t1"].startswith("per prompt") and other["all"]["t1"] == "the curve's"
+
+
 def test_projections_survive_bench_json_and_are_labelled(result, tmp_path):
     result.projections = project_result(result, {"flat": FLAT})
     path = tmp_path / "bench.json"
