@@ -210,7 +210,8 @@ def generate_tokens(
                 offered, match = (lookup.propose_matched(policy.lookup_depth, longest=LOOKUP_MATCH_BUCKETS[-1])
                                   if lookup is not None else ([], 0))
                 shape = policy.choose(len(offered), match)
-                if shape.depth == 0 and not offered and not policy.wants_rows(CATCHUP_ROWS):
+                # greedy rounds check an offer nobody verifies through ``lookup_shadow``, not in the round
+                if shape.depth == 0 and not (offered and not sampling.greedy) and not policy.wants_rows(CATCHUP_ROWS):
                     step, x = _quiet_round(target, x, pending, policy, sampling, rng, left)
                 else:
                     if shape.depth and shape.source == "draft":  # the draft may run: it needs the whole text
@@ -219,8 +220,10 @@ def generate_tokens(
                                                    lookup, shadow, offered, shape)
                 if offered and sampling.greedy and not lookup_shadow.guesses and _unverified(step, "lookup"):
                     lookup_shadow.open(offered, partial(policy.observe_lookup_chain, match))
-                shadow.check(step.tokens)
-                lookup_shadow.check(step.tokens)
+                if shadow.guesses:
+                    shadow.check(step.tokens)
+                if lookup_shadow.guesses:
+                    lookup_shadow.check(step.tokens)
             else:
                 text.flush()
                 step, x, pending = _spec_round(target, draft, x, pending, draft_len, left)
@@ -409,8 +412,9 @@ PLAIN = Shape(0)
 def _quiet_round(target, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
                  rng: np.random.Generator, left: int) -> tuple[Step, int]:
     """A plain round with nothing to learn from, auto's usual round where drafting does not pay: one
-    target row with embeddings off, no prompt-lookup offer to check, no row for the draft (its
-    position becomes a hole in ``pending``, changed in place).
+    target row with embeddings off, no prompt-lookup offer to check in the round (greedy offers are
+    checked by the loop), no row for the draft (its position becomes a hole in ``pending``, changed
+    in place).
 
     It does the least it can because after a decode every Python line runs cache-cold: on SmolLM2
     Q4_0 (2 threads, 5.7 ms a token) the general undrafted path's bookkeeping cost about 0.19 ms a

@@ -28,6 +28,7 @@ a bad streak stopped drafting, and the statistics, updated by rare probes only, 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -108,6 +109,7 @@ class AcceptanceStats:
     prior_alphas: tuple[float, ...] = ()  # per depth (1, 2, ...): a prior mean instead of 0.5, same weight
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    version: int = 0  # counts observations: a choice cached from these figures is stale once it moves
 
     def __post_init__(self) -> None:
         self.reached = [0.0] * (self.max_depth + 1)
@@ -119,6 +121,7 @@ class AcceptanceStats:
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         """One verified round: depths 1..min(accepted + 1, drafted_depth) were reached."""
+        self.version += 1
         for d in range(1, self.max_depth + 1):
             self.reached[d] *= self.decay
             self.accepted[d] *= self.decay
@@ -128,6 +131,7 @@ class AcceptanceStats:
 
     def observe_first(self, p_accept: float) -> None:
         """Evidence on depth 1 alone: a proposal checked against the target's own next token."""
+        self.version += 1
         for d in range(1, self.max_depth + 1):
             self.reached[d] *= self.decay
             self.accepted[d] *= self.decay
@@ -274,7 +278,7 @@ LOOKUP_MATCH_BUCKETS = (0, 4, 8)
 
 def lookup_bucket(match: int) -> int:
     """The index in ``LOOKUP_MATCH_BUCKETS`` of a proposal behind a match of ``match`` tokens."""
-    return sum(match >= b for b in LOOKUP_MATCH_BUCKETS[1:])
+    return bisect_right(LOOKUP_MATCH_BUCKETS, match) - 1 if match > 0 else 0
 
 
 class AutoPolicy:
@@ -318,6 +322,12 @@ class AutoPolicy:
         self._lookup_shadowed = False  # unverified lookup proposals are being checked for free
         self._best_shape: Shape | None = None  # valid until the statistics change
         self._best_rate = 0.0
+        # ``_best_lookup`` per match bucket (with the version of its statistics), for each number of tokens
+        # offered, valid until those statistics or lookup's measured cost change: a proposal is offered
+        # on most plain rounds, and searching its depths every time cost about 25 us of a SmolLM2 Q4_0
+        # round (cache-cold after the decode).  The curve's part of each depth's cost never changes.
+        self._lookup_best: list[tuple[int, list[tuple[Shape, float]]] | None] = [None] * len(LOOKUP_MATCH_BUCKETS)
+        self._lookup_cost_ms = [round_cost_ms(curve, Shape(d, source="lookup")) for d in range(lookup_depth + 1)]
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
         self._t1_ms = curve.verify_time_ms(1)
@@ -339,16 +349,25 @@ class AutoPolicy:
 
     def _best_lookup(self, available: int) -> tuple[Shape, float]:
         """The best lookup chain of at most ``available`` tokens, or Shape(0) if none beats plain by min_gain."""
+        known, version = self._lookup_best[self._bucket], self._round_lookup_stats.version
+        if known is None or known[0] != version:
+            known = self._lookup_best[self._bucket] = (version, self._search_lookup())
+        table = known[1]
+        return table[min(available, len(table) - 1)]
+
+    def _search_lookup(self) -> list[tuple[Shape, float]]:
+        """``_best_lookup`` for every ``available`` from 0 to ``lookup_depth``, in one pass over the depths."""
         scale = self.cost.scale("lookup")
-        plain_rate = 1.0 / round_cost_ms(self.curve, Shape(0))
+        plain_rate = 1.0 / self._lookup_cost_ms[0]
         best, best_rate = Shape(0), plain_rate
-        alphas = [self._round_lookup_stats.alpha(d) for d in range(1, available + 1)]
-        for d in range(1, available + 1):
-            shape = Shape(d, source="lookup")
-            rate = expected_emitted(alphas[:d]) / (scale * round_cost_ms(self.curve, shape))
+        alphas = [self._round_lookup_stats.alpha(d) for d in range(1, self.lookup_depth + 1)]
+        table = [(best, best_rate)]
+        for d in range(1, self.lookup_depth + 1):
+            rate = expected_emitted(alphas[:d]) / (scale * self._lookup_cost_ms[d])
             if rate > best_rate and rate >= self.min_gain * plain_rate:
-                best, best_rate = shape, rate
-        return best, best_rate
+                best, best_rate = Shape(d, source="lookup"), rate
+            table.append((best, best_rate))
+        return table
 
     def _best_drafted(self, width: int, total: int, scale: float) -> tuple[int, float]:
         """The best drafting depth (at least 1) and its tokens per ms, with no plain-round
@@ -465,6 +484,8 @@ class AutoPolicy:
         if shape.kind == "draft" and rows_consumed > 1:
             modelled += self.curve.draft_rows_time_ms(rows_consumed) - self.curve.draft_rows_time_ms(1)
         self.cost.observe(shape.kind, 1e3 * seconds, modelled)
+        # lookup's measured cost is kept relative to plain rounds' (and 1 until both are seen)
+        self._lookup_best = [None] * len(LOOKUP_MATCH_BUCKETS)
         if abs(math.log(self.cost.drafted_scale / self._scale_used)) > 0.03:
             self._best_shape = None  # plain rounds arrive every token: search again only on a real change
 

@@ -221,6 +221,26 @@ def test_lookup_is_chosen_where_it_pays_and_probed_where_it_does_not():
     assert gaps[:4] == [4, 8, 16, 32]
 
 
+def test_a_lookup_choice_follows_lookups_measured_cost():
+    """The best lookup depth is remembered between rounds (per match bucket): lookup rounds measured
+    dearer than the curve must still turn it off, and cheap ones back on."""
+    c = curve(10.0, 3.0, 0.9)
+    policy = AutoPolicy(c, max_depth=8, lookup_depth=4, decay=1.0)
+    for _ in range(100):  # the draft never pays; short-match lookup proposals are right 80% of the time
+        policy.stats.observe(1, 0)
+        policy.lookup_buckets[0].observe(4, 3)
+    policy._best_shape = None
+    shape = policy.choose(4)
+    assert shape.source == "lookup" and shape.depth > 0
+    for _ in range(30):  # plain rounds at the curve's speed, lookup rounds three times dearer
+        policy.observe_time(Shape(0), 0, round_cost_ms(c, Shape(0)) / 1e3)
+        policy.observe_time(shape, 0, 3 * round_cost_ms(c, shape) / 1e3)
+    assert policy.choose(4) == Shape(0)
+    for _ in range(60):
+        policy.observe_time(shape, 0, round_cost_ms(c, shape) / 1e3)
+    assert policy.choose(4) == shape
+
+
 def test_lookup_rounds_are_costed_without_a_draft_forward():
     c = curve(10.0, 3.0, 0.9)
     assert round_cost_ms(c, Shape(2, source="lookup")) == c.verify_time_ms(3)
