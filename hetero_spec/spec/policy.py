@@ -278,7 +278,7 @@ LOOKUP_MATCH_BUCKETS = (0, 4, 8)
 
 def lookup_bucket(match: int) -> int:
     """The index in ``LOOKUP_MATCH_BUCKETS`` of a proposal behind a match of ``match`` tokens."""
-    return bisect_right(LOOKUP_MATCH_BUCKETS, match) - 1 if match > 0 else 0
+    return bisect_right(LOOKUP_MATCH_BUCKETS, match, 1) - 1
 
 
 class AutoPolicy:
@@ -353,7 +353,7 @@ class AutoPolicy:
         if known is None or known[0] != version:
             known = self._lookup_best[self._bucket] = (version, self._search_lookup())
         table = known[1]
-        return table[min(available, len(table) - 1)]
+        return table[max(0, min(available, len(table) - 1))]
 
     def _search_lookup(self) -> list[tuple[Shape, float]]:
         """``_best_lookup`` for every ``available`` from 0 to ``lookup_depth``, in one pass over the depths."""
