@@ -32,8 +32,7 @@ class TextAssembler:
         SmolLM2 Q4_0 than the general path, 0.3% of its decode time)."""
         if self.stopped:
             return ""
-        piece = self._piece
-        decoded = self._decoder.decode(piece(tokens[0]) if len(tokens) == 1 else b"".join([piece(t) for t in tokens]))
+        decoded = self._decoder.decode(b"".join(map(self._piece, tokens)))
         if not self._stop:
             self._released.append(decoded)
             return decoded

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, replace as _replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -126,7 +126,7 @@ def replay(rounds: Sequence[Sequence[Any]], curve: CostCurve) -> Replay:
 def at_decode_speed(curve: CostCurve, t1_ms: float) -> CostCurve:
     """``curve`` with its target times scaled so that t(1) = ``t1_ms``, its draft times unchanged."""
     f = t1_ms / curve.verify_ms[1]
-    return _replace(curve, verify_ms={n: v * f for n, v in curve.verify_ms.items()})
+    return replace(curve, verify_ms={n: v * f for n, v in curve.verify_ms.items()})
 
 
 def decode_tps(rec: PromptRecord) -> float | None:

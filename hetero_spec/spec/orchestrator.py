@@ -211,7 +211,7 @@ def generate_tokens(
                                   if lookup is not None else ([], 0))
                 shape = policy.choose(len(offered), match)
                 # greedy rounds check an offer nobody verifies through ``lookup_shadow``, not in the round
-                if shape.depth == 0 and not (offered and not sampling.greedy) and not policy.wants_rows(CATCHUP_ROWS):
+                if shape.depth == 0 and (sampling.greedy or not offered) and not policy.wants_rows(CATCHUP_ROWS):
                     step, x = _quiet_round(target, x, pending, policy, sampling, rng, left)
                 else:
                     if shape.depth and shape.source == "draft":  # the draft may run: it needs the whole text
