@@ -203,13 +203,15 @@ def train(
             else:
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
-                if rank == 0 and split.held_out:
+                if rank == 0 and split.held_out and not _evaluated_now(state):
                     _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
         bar.close()
         summary = {}
         if rank == 0:
             _save_checkpoint(ckpt, model, opt, state)
             ev = evaluate(model, split.held_out, cfg, device, head, held_targets) if split.held_out else None
+            if ev is not None and not _evaluated_now(state):
+                _record_eval(state, ev, bar)  # the curves end where the draft does (after the checkpoint: its RNG)
             summary = {
                 "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
                 "stopped_by": stop.signal_name or None,
@@ -326,6 +328,12 @@ def _argmax_rows(feats: torch.Tensor, head: torch.Tensor, rows: int = 256) -> to
     flat = feats.reshape(-1, feats.shape[-1])
     out = torch.cat([(chunk @ head.t()).argmax(-1) for chunk in flat.split(rows)])
     return out.view(feats.shape[:-1])
+
+
+def _evaluated_now(state: dict) -> bool:
+    """Whether the draft as of this step was evaluated already (an epoch can end on an --eval-every step)."""
+    last = next((h for h in reversed(state["history"]) if "eval" in h), None)
+    return last is not None and last["step"] == state["step"]
 
 
 def _record_eval(state: dict, ev: EvalResult, bar) -> None:

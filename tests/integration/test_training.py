@@ -7,9 +7,11 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from hetero_spec.config import TargetFingerprint
 from hetero_spec.draft.checkpoint import load_draft
@@ -48,14 +50,21 @@ def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, part
     losses = [h["loss"] for h in history if "loss" in h]
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     assert (tmp_path / "d.train" / "training.png").stat().st_size > 1000
+    eval_steps = [h["step"] for h in history if "eval" in h]
+    assert eval_steps[-1] == 40 and len(eval_steps) == len(set(eval_steps))  # the end's evaluation, once
     draft = load_draft(out, parts[0])  # fingerprint accepted
     assert draft.cfg.reduced_vocab == 512 and draft.cfg.gate == "darter"
     assert len(set(draft.d2t.tolist())) == 512
-    from safetensors import safe_open
-
     with safe_open(str(out), "pt") as fh:
         meta = json.loads(fh.metadata()["hetero_spec.training"])
     assert meta["steps"] == 40 and 0 < meta["vocab_coverage"] <= 1 and meta["eval"]["accepted_length"] >= 1.0
+    hist = tmp_path / "d.train" / "history.json"
+    compare = [sys.executable, str(Path(__file__).parents[2] / "scripts" / "compare_training.py")]
+    done = subprocess.run([*compare, str(hist), str(hist), "--out", str(tmp_path / "c.png")], capture_output=True, text=True)
+    assert done.returncode == 0 and (tmp_path / "c.png").stat().st_size > 1000
+    bad = subprocess.run([*compare, str(out), "--out", str(tmp_path / "x.png")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "not a readable training history" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x.png").exists()
     assert summary["steps"] == 40 and 0 < summary["train_cpu_seconds"]
     state = torch.load(tmp_path / "d.train" / "checkpoint.pt", map_location="cpu", weights_only=False)
     state = state.get("state", state)  # the budget clock sums each step once, per thread
@@ -73,6 +82,10 @@ def test_resume_continues_from_the_checkpoint(features, parts, tmp_path):
     run(replace(BASE, max_steps=12, time_budget_s=1e-9), features, split, parts)  # stops after one step
     first = json.loads((tmp_path / "b.train" / "history.json").read_text())
     assert [h["step"] for h in first if "loss" in h] == [1]
+    with safe_open(str(split), "pt") as fh:  # the last evaluation, the draft's own, ends the curves
+        final = json.loads(fh.metadata()["hetero_spec.training"])["eval"]
+    assert [h["step"] for h in first if "eval" in h] == [1]
+    assert [h for h in first if "eval" in h][0]["eval"]["step_top1"] == final["step_top1"]
     run(replace(BASE, max_steps=12), features, split, parts, resume=True)
     a, b = load_draft(straight), load_draft(split)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
@@ -110,8 +123,6 @@ def test_sigterm_stops_the_cli_at_a_step_boundary_with_a_checkpoint_and_a_draft(
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err
     assert "stopped by SIGTERM after step" in err and "--resume" in err
-    from safetensors import safe_open
-
     with safe_open(str(out), "pt") as fh:
         meta = json.loads(fh.metadata()["hetero_spec.training"])
     assert meta["stopped_by"] == "SIGTERM" and 1 <= meta["steps"] < 100000
