@@ -203,15 +203,15 @@ def train(
             else:
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
-                if rank == 0 and split.held_out and not _evaluated_now(state):
+                if rank == 0 and split.held_out and _eval_now(state) is None:
                     _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
         bar.close()
         summary = {}
         if rank == 0:
             _save_checkpoint(ckpt, model, opt, state)
-            ev = evaluate(model, split.held_out, cfg, device, head, held_targets) if split.held_out else None
-            if ev is not None and not _evaluated_now(state):
-                _record_eval(state, ev, bar)  # the curves end where the draft does (after the checkpoint: its RNG)
+            if split.held_out and _eval_now(state) is None:  # after the checkpoint: it saved the RNG
+                _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
+            ev = _eval_now(state)  # the curves end where the draft does; evaluation is deterministic
             summary = {
                 "variant": cfg.variant, "steps": state["step"], "epochs": state["epoch"],
                 "stopped_by": stop.signal_name or None,
@@ -219,7 +219,7 @@ def train(
                 "train_sequences": len(split.train),
                 "train_tokens": int(sum(len(s) for s in split.train)),
                 "held_out_sequences": len(split.held_out), "vocab_coverage": round(coverage, 4),
-                "eval": asdict(ev) if ev else None, "config": _jsonable(asdict(cfg)),
+                "eval": ev["eval"] if ev else None, "config": _jsonable(asdict(cfg)),
                 **({"init_from": _prior_training(Path(cfg.init_from))} if cfg.init_from else {}),
             }
             save_draft(model, out, extra={TRAINING_KEY: json.dumps(summary)}, dtype=torch.bfloat16)
@@ -330,10 +330,11 @@ def _argmax_rows(feats: torch.Tensor, head: torch.Tensor, rows: int = 256) -> to
     return out.view(feats.shape[:-1])
 
 
-def _evaluated_now(state: dict) -> bool:
-    """Whether the draft as of this step was evaluated already (an epoch can end on an --eval-every step)."""
+def _eval_now(state: dict) -> dict | None:
+    """The history's evaluation of the draft as of this step, if it has one (an --eval-every step, an
+    epoch's end and the run's end can coincide: the draft is evaluated once)."""
     last = next((h for h in reversed(state["history"]) if "eval" in h), None)
-    return last is not None and last["step"] == state["step"]
+    return last if last is not None and last["step"] == state["step"] else None
 
 
 def _record_eval(state: dict, ev: EvalResult, bar) -> None:
