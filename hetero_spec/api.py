@@ -137,7 +137,7 @@ class HeteroSpec:
         cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop),
                          sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup)
         tokens = self._prompt_tokens(prompt, _templated)
-        stats = RunStats(prompt_tokens=len(tokens))
+        stats = RunStats(prompt_tokens=len(tokens), kernels=self.target.kernels)
         ts = TextStream(iter(()), stats)
         ts._pieces = self._run(tokens, cfg, ts, cancel)
         if stream:

@@ -63,6 +63,7 @@ class CostCurve:
     draft_rows_ms: dict[int, float] = field(default_factory=dict)
     draft_switch_ms: float = 0.0
     machine: str = ""  # host, CPU model, threads
+    kernels: str = ""  # llama.cpp's weight buffers and kernel plan during the measurement (LlamaTarget.kernels)
     model: str = ""  # GGUF file name and size (+ draft file name)
 
     def __post_init__(self) -> None:
@@ -114,6 +115,7 @@ class CostCurve:
                 draft_switch_ms=float(d.get("draft_switch_ms", 0.0)),
                 machine=str(d.get("machine", "")),
                 model=str(d.get("model", "")),
+                kernels=str(d.get("kernels", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise HeteroSpecError(f"not a calibration file ({exc})") from None
@@ -148,7 +150,11 @@ def machine_id(threads: int) -> str:
                     break
     except OSError:
         pass
-    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {threads} threads"
+    from .target.kernels import applied_plan
+
+    plan = applied_plan()  # t(n) depends on the kernels: a plain-CPU curve must not price a repacked run
+    kernels = f" | kernels {plan.mode}" if plan is not None else ""
+    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {threads} threads{kernels}"
 
 
 def describe_files(target_path: str | Path, draft_path: str | Path | None) -> str:
@@ -240,7 +246,8 @@ def measure(
     finally:
         target.reset()
         target.set_embeddings(was_on)
-    return CostCurve(verify_ms, step_ms, rows_ms, switch_ms, machine=machine_id(target.n_threads), model=model)
+    return CostCurve(verify_ms, step_ms, rows_ms, switch_ms, machine=machine_id(target.n_threads), model=model,
+                     kernels=target.kernels)
 
 
 def merge(curves: list[CostCurve]) -> CostCurve:
@@ -257,7 +264,7 @@ def merge(curves: list[CostCurve]) -> CostCurve:
 
     return CostCurve(med([c.verify_ms for c in curves]), statistics.median(c.draft_step_ms for c in curves),
                      med([c.draft_rows_ms for c in curves]), statistics.median(c.draft_switch_ms for c in curves),
-                     machine=curves[0].machine, model=curves[0].model)
+                     machine=curves[0].machine, model=curves[0].model, kernels=curves[0].kernels)
 
 
 def _prefix_tokens(target: "LlamaTarget", rows: int) -> list[int]:

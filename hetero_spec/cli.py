@@ -51,9 +51,10 @@ def cli() -> None:
                    "f16 (llama.cpp's default) differs past 256 cells with 2+ threads")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
+@click.option("--verbose", "-v", is_flag=True, help="say which llama.cpp kernels and draft device run, on stderr")
 def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tree_depth, tree_top_k, temperature,
         top_k, top_p, min_p, seed, draft_p_min, no_draft, lookup, threads, ctx, draft_device, draft_dtype,
-        denoise, kv_type, stop, stats_json) -> None:
+        denoise, kv_type, stop, stats_json, verbose) -> None:
     """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens."""
     from .api import HeteroSpec
     from .config import SamplingConfig, TreeSpec, parse_draft_len
@@ -65,6 +66,10 @@ def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tr
                    sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed), lookup=lookup)
     with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
                     draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise), kv_type=kv_type) as hs:
+        if verbose:
+            click.echo(f"kernels: {hs.target.kernels}", err=True)
+            if hs.draft is not None:
+                click.echo(f"draft: {hs.draft.device} {hs.draft.weights}", err=True)
         if prompt is not None:
             _one_turn(hs, prompt, chat, options, stats_json, history=None)
             return

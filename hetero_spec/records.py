@@ -36,6 +36,7 @@ class RunStats:
     stop_reason: str = ""
     rounds: list[Round] = field(default_factory=list)
     wall_s: float = 0.0
+    kernels: str = ""  # llama.cpp's weight buffer types and the kernel plan (target.kernels.KernelPlan)
 
     def observe(self, r: Round) -> None:
         self.rounds.append(r)
@@ -74,6 +75,7 @@ class RunStats:
             "bytes_to_draft": self.total("bytes_to_draft"),
             "accepted_histogram": _histogram([r.accepted for r in self.rounds]),
             "lookup_rounds": sum(r.source == "lookup" for r in self.rounds),
+            "kernels": self.kernels,
         }
 
     def summary(self) -> str:

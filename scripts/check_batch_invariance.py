@@ -25,6 +25,8 @@ FILLER = (" and then the answer is forty two because the farmer sold sixteen egg
 def verify_matches(path: Path, max_n: int) -> dict[int, bool]:
     # below 32 rows a batch this llama.cpp aborts (n_outputs_max assertion); a larger batch changes nothing here
     with LlamaTarget(path, TargetOptions(n_ctx=1024, n_batch=max(max_n, 32))) as t:
+        # the answer holds for these kernels only (HETERO_SPEC_KERNELS=plain|no-amx|default picks others)
+        print(f"{path.name}: kernels {t.kernels}")
         prompt = t.tokenize(first_turns("gsm8k", 1)[0])
         extra = t.tokenize(FILLER * 3, add_special=False)[:max_n]
         t.prefill(prompt)

@@ -96,19 +96,24 @@ class LlamaCppRun:
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        from ..target._ffi import ensure_backend
+        from ..target.kernels import applied_plan, extra_bufts_off
+
+        ensure_backend()  # the kernel plan in force before Llama loads (it would take AMX where tiles fault)
         draft = LlamaPromptLookupDecoding(num_pred_tokens=bt.lookup_tokens) if prompt_lookup else None
-        self.llm = llama_cpp.Llama(
-            str(bt.model), n_ctx=bt.n_ctx, n_batch=32, n_ubatch=32, n_threads=bt.threads,
-            n_threads_batch=bt.threads, draft_model=draft, verbose=False,
-            # With a draft model, Llama forces logits for every row but sizes its score buffer
-            # from this argument: without it, the first speculative eval overflows the buffer.
-            logits_all=prompt_lookup,
-            # llama-cpp-python disables flash attention by default while llama.cpp (and so the
-            # raw baseline) picks it automatically (on, on CPUs): different attention kernels,
-            # different logits, different greedy text on about one prompt in four.  Same kernels here.
-            flash_attn=True,
-            type_k=kv_type_id(bt.kv_type), type_v=kv_type_id(bt.kv_type),
-        )
+        with extra_bufts_off(applied_plan()):
+            self.llm = llama_cpp.Llama(
+                str(bt.model), n_ctx=bt.n_ctx, n_batch=32, n_ubatch=32, n_threads=bt.threads,
+                n_threads_batch=bt.threads, draft_model=draft, verbose=False,
+                # With a draft model, Llama forces logits for every row but sizes its score buffer
+                # from this argument: without it, the first speculative eval overflows the buffer.
+                logits_all=prompt_lookup,
+                # llama-cpp-python disables flash attention by default while llama.cpp (and so the
+                # raw baseline) picks it automatically (on, on CPUs): different attention kernels,
+                # different logits, different greedy text on about one prompt in four.  Same kernels here.
+                flash_attn=True,
+                type_k=kv_type_id(bt.kv_type), type_v=kv_type_id(bt.kv_type),
+            )
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
         self.llm.reset()  # no prefix reuse from the previous prompt

@@ -123,7 +123,7 @@ def calibrate(model, draft, threads, quick, repeats, draft_device, out, plot) ->
         curve, path = run(model, draft, threads=threads, quick=quick, repeats=repeats, out=out,
                           draft_device=draft_device, progress=bar.update)
     png = plot_curve(curve, plot or path.with_suffix(".png"))
-    click.echo(f"# {curve.model}\n# {curve.machine}")
+    click.echo(f"# {curve.model}\n# {curve.machine}\n# kernels: {curve.kernels}")
     click.echo("n\tt(n) ms\tt(n)/t(1)\tenvelope" + ("\tdraft rows ms" if curve.draft_rows_ms else ""))
     env = curve.envelope_ms()
     for n in sorted(curve.verify_ms):

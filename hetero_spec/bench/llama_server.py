@@ -89,13 +89,16 @@ def spec_args(method: ServerMethod, bt: BenchTarget) -> list[str]:
 def server_command(binary: Path, bt: BenchTarget, kv_type: str, port: int, extra: list[str]) -> list[str]:
     """llama-server with everything the in-process methods share: file, threads, context, 32-row
     micro-batches, KV cells, flash attention AUTO (llama.cpp's default, as for the raw loop), one
-    slot, no prompt caches."""
+    slot, no prompt caches, and the kernels this machine allows (``target/kernels.py``: the server
+    inherits this process's AMX denial, and gets ``--no-repack`` where the extra buffer types are off)."""
+    from ..target.kernels import apply_kernel_plan
+
     return [
         str(binary), "-m", str(bt.model), "--host", "127.0.0.1", "--port", str(port),
         "-t", str(bt.threads), "-tb", str(bt.threads), "-c", str(bt.n_ctx), "-np", "1",
         "-b", str(LOGICAL_BATCH), "-ub", str(MICRO_BATCH), "-ctk", kv_type, "-ctv", kv_type, "-fa", "auto",
         "-ngl", "0", "--metrics", "--slots", "--no-webui", "--cache-ram", "0", "--no-cache-prompt",
-        *extra, *bt.llama_args,
+        *apply_kernel_plan().tool_args(), *extra, *bt.llama_args,
     ]
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
 import threading
 from pathlib import Path
 
@@ -33,24 +35,44 @@ _DECODE_CODES = {
 _backend_lock = threading.Lock()
 _backend_ready = False
 _log_callback = None  # keep a reference: llama.cpp holds the raw function pointer
+_log_capture = threading.local()  # .lines: list while a model loads on this thread, else absent
+_BUFFER_LINE = re.compile(r"(\S+) model buffer size =\s*([0-9.]+) MiB")
 
 
 def ensure_backend(verbose: bool = False) -> None:
-    """Initialise llama.cpp once per process and, unless verbose, silence its logging."""
+    """Initialise llama.cpp once per process: first put the kernel plan in force (``kernels.py``:
+    it must precede llama.cpp's first choice of buffer types), then route its log through a
+    callback that keeps the weight-buffer lines of a load and, unless verbose, drops the rest."""
     global _backend_ready, _log_callback
+    from .kernels import apply_kernel_plan
+
     with _backend_lock:
         if _backend_ready:
             return
-        if not verbose and os.environ.get("HETERO_SPEC_LLAMA_LOG") is None:
+        apply_kernel_plan()
+        echo = verbose or os.environ.get("HETERO_SPEC_LLAMA_LOG") is not None
 
-            @C.llama_log_callback
-            def _quiet(level, text, user_data):  # noqa: ARG001
-                return None
+        @C.llama_log_callback
+        def _log(level, text, user_data):  # noqa: ARG001
+            lines = getattr(_log_capture, "lines", None)
+            if lines is not None and text:
+                lines.append(text.decode("utf-8", errors="replace"))
+            if echo and text:
+                sys.stderr.write(text.decode("utf-8", errors="replace"))
 
-            _log_callback = _quiet
-            C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _log_callback = _log
+        C.llama_log_set(_log_callback, ctypes.c_void_p(0))
         C.llama_backend_init()
         _backend_ready = True
+
+
+def _weight_buffers(log_lines: list[str]) -> dict[str, float]:
+    """``{buffer type: MiB}`` of a model's weights, from llama.cpp's own load log (``CPU_REPACK``,
+    ``AMX``, ``CPU_Mapped``, ``CPU``): the kernels its matmuls will run, as llama.cpp chose them."""
+    out: dict[str, float] = {}
+    for m in _BUFFER_LINE.finditer("".join(log_lines)):
+        out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
 
 def check_decode(rc: int) -> None:
@@ -113,10 +135,19 @@ class ModelHandle:
     def __init__(self, path: Path, *, vocab_only: bool = False) -> None:
         check_gguf_header(path)
         ensure_backend()
+        from .kernels import apply_kernel_plan
+
+        self.kernel_plan = apply_kernel_plan()
         params = C.llama_model_default_params()
         params.n_gpu_layers = 0  # the target runs on the CPU by design
         params.vocab_only = vocab_only
-        self.ptr = C.llama_model_load_from_file(str(path).encode(), params)
+        params.use_extra_bufts = self.kernel_plan.extra_bufts
+        _log_capture.lines = []
+        try:
+            self.ptr = C.llama_model_load_from_file(str(path).encode(), params)
+            self.weight_buffers = _weight_buffers(_log_capture.lines)  # {buffer type: MiB}
+        finally:
+            del _log_capture.lines
         if not self.ptr:
             raise TargetError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
         self.vocab = C.llama_model_get_vocab(self.ptr)
@@ -129,6 +160,13 @@ class ModelHandle:
         if known is None:
             known = self._eog[token] = bool(C.llama_vocab_is_eog(self.vocab, token))
         return known
+
+    @property
+    def kernels(self) -> str:
+        """One line: the weight buffer types llama.cpp chose and the plan behind them, for ``--verbose``
+        and the run's stats, e.g. ``CPU_REPACK 52 MiB + CPU_Mapped 20 MiB; no-amx (AMX tiles fault ...)``."""
+        used = " + ".join(f"{name} {mib:.0f} MiB" for name, mib in sorted(self.weight_buffers.items()))
+        return f"{used or 'no weights'}; {self.kernel_plan.describe()}"
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)

@@ -158,6 +158,11 @@ class LlamaTarget(Owners):
         self._logits_views: dict[int, np.ndarray] = {}
         self._fingerprint: TargetFingerprint | None = None
 
+    @property
+    def kernels(self) -> str:
+        """Which llama.cpp weight buffers (so which matmul kernels) this model runs, and why (one line)."""
+        return self._model.kernels
+
     def _is_decoder_lm(self) -> bool:
         """Encoder-decoders (T5) and embedding models (BERT-like: non-causal or pooled) cannot verify drafts."""
         m = self._model

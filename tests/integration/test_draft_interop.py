@@ -358,6 +358,7 @@ def test_gguf_export_drafts_in_llama_cpp_what_hetero_spec_drafts(eagle3_draft, m
     from converters.draft_export import export_draft
     from hetero_spec.target._ffi import ModelHandle
     from hetero_spec.target.llama_target import kv_type_id
+    from hetero_spec.target.kernels import apply_kernel_plan
     from hetero_spec.target.raw_loop import RawGreedy
 
     gguf = export_draft(eagle3_draft, model_path, tmp_path / "e3.gguf", "gguf")
@@ -365,7 +366,7 @@ def test_gguf_export_drafts_in_llama_cpp_what_hetero_spec_drafts(eagle3_draft, m
     prompt = "The capital of France is"
     cmd = [str(tool), "-m", str(model_path), "-md", str(gguf), "--spec-type", "draft-eagle3", "-p", prompt, "-n", "40",
            "-t", "1", "-td", "1", "--temp", "0", "-c", "512", "-b", "512", "-ub", "32", "-ctk", "q8_0", "-ctv", "q8_0",
-           "--spec-draft-n-max", "3", "-s", "1", "-v"]
+           "--spec-draft-n-max", "3", "-s", "1", "-v", *apply_kernel_plan().tool_args()]
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rounds = [r for r in parse_rounds(proc.stdout + proc.stderr) if r[1] is not None]
