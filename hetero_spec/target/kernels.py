@@ -49,6 +49,7 @@ _AUDIT_ARCH_X86_64 = 0xC000003E
 _PR_SET_NO_NEW_PRIVS = 38
 _SECCOMP_SET_MODE_FILTER = 1
 _SECCOMP_FILTER_FLAG_TSYNC = 1
+_SECCOMP_FILTER_FLAG_SPEC_ALLOW = 4  # Linux >= 4.17: no speculative-store-bypass mitigation for the filter
 _SECCOMP_RET_ALLOW = 0x7FFF0000
 _SECCOMP_RET_ERRNO = 0x00050000
 
@@ -217,7 +218,12 @@ def deny_amx_permission() -> None:
     if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
-    rc = libc.syscall(_NR_SECCOMP, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog))
+    # WHY SPEC_ALLOW: by default a seccomp filter also turns on the speculative-store-bypass mitigation
+    # (SSBD) for the process, which slows compute on CPUs that need it; this rule guards nothing
+    rc = libc.syscall(_NR_SECCOMP, _SECCOMP_SET_MODE_FILTER,
+                      _SECCOMP_FILTER_FLAG_TSYNC | _SECCOMP_FILTER_FLAG_SPEC_ALLOW, ctypes.byref(prog))
+    if rc != 0 and ctypes.get_errno() == errno.EINVAL:  # a kernel before 4.17
+        rc = libc.syscall(_NR_SECCOMP, _SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC, ctypes.byref(prog))
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"seccomp(SET_MODE_FILTER): {os.strerror(err) if rc < 0 else f'thread {rc} did not sync'}")
