@@ -36,6 +36,10 @@ if TYPE_CHECKING:  # concrete types only for readers; the boundary stays clean a
     from .target.llama_target import LlamaTarget
 
 CURVE_VERSION = 1
+# Bumped when the draft runtime's step cost changes, so that a curve cached with a draft is measured again
+# rather than pricing the draft at its old cost (v2: weight-only int8 fusion, the one-position forward and
+# the target's threads for the draft; docs/bench.md).  Curves without a draft keep their key.
+DRAFT_STEP_VERSION = 2
 MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
 PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
 _FILLER = (
@@ -338,7 +342,8 @@ def cache_path(target_path: str | Path, draft_path: str | Path | None, threads: 
         st = p.stat() if p.exists() else None
         return f"{p}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}"
 
-    key = "|".join([machine_id(threads), ident(target_path), ident(draft_path)])
+    key = "|".join([machine_id(threads), ident(target_path), ident(draft_path)]
+                   + ([f"draft-step-v{DRAFT_STEP_VERSION}"] if draft_path is not None and DRAFT_STEP_VERSION > 1 else []))
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / f"{Path(target_path).stem}-t{threads}-{digest}.json"
 

@@ -19,8 +19,9 @@ from .draft.int8 import Int8Calibration, Int8Check
 from .target.gguf_weights import cache_dir
 
 
-# Bumped whenever what the check measures changes (v2: the int8 head rescores its top rows in float).
-CHECK_VERSION = "v2"
+# Bumped whenever what the check measures changes (v2: the int8 head rescores its top rows in float;
+# v3: the fusion and tap_fc get weight-only int8).
+CHECK_VERSION = "v3"
 
 
 def _ident(path: str | Path) -> str:

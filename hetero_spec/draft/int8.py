@@ -48,6 +48,37 @@ def int8_available() -> bool:
     return hasattr(torch.ops.quantized, "linear_dynamic") and "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def weight_int8_available() -> bool:
+    """Whether torch has the weight-only int8 matmul (``aten._weight_int8pack_mm``, bf16 activations)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class WeightInt8Linear(nn.Module):
+    """y = x W^T (+ b) with W stored as per-channel int8 and x kept as bf16, never quantized.
+
+    WHY: the fusion (and the taps' fc) read the target's raw features, whose outlier channels a
+    quantized activation row cannot carry (fbgemm's dynamic int8 there cost 10-30 points of agreement
+    with float); their weights are ordinary, though.  Weight-only int8 reads a quarter of float32's
+    bytes and leaves the activations at bf16's relative precision (2^-8), whatever their range.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float().cpu()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-8)
+        self.weight_q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [out, in]
+        self.scale = scale.to(torch.bfloat16)  # [out]
+        self.bias = None if bias is None else bias.detach().float().cpu()  # [out]
+        self.out_features = w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] float32 -> [..., out] float32."""
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), self.weight_q, self.scale)
+        y = y.float().view(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W stored as per-channel int8, activations quantized on the fly
     to 8 bits, or to 7 with ``reduce_range`` (no int16 saturation on CPUs without VNNI).
@@ -111,20 +142,41 @@ def smooth_scale(act_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = 
 
 
 def quantize_linears(module: nn.Module, reduce_range: bool = False, smooth: dict[str, torch.Tensor] | None = None,
-                     min_out: int = 2, prefix: str = "", skip: tuple[str, ...] = ()) -> int:
+                     min_out: int = 2, prefix: str = "", skip: tuple[str, ...] = (),
+                     weight_only: tuple[str, ...] = ()) -> int:
     """Replace every nn.Linear (with at least ``min_out`` outputs, outside the ``skip`` subtrees) in place;
-    returns how many.  ``smooth``: per qualified layer name, the SmoothQuant scale of its input."""
+    returns how many.  ``smooth``: per qualified layer name, the SmoothQuant scale of its input.  Layers in
+    the ``weight_only`` subtrees get ``WeightInt8Linear`` (float where torch lacks its kernel) instead."""
     count = 0
     for name, child in list(module.named_children()):
         full = f"{prefix}{name}"
         if full in skip:
             continue
-        if isinstance(child, nn.Linear) and child.out_features >= min_out:
+        if full in weight_only and not weight_int8_available():
+            continue
+        if full in weight_only and isinstance(child, nn.Linear):
+            setattr(module, name, WeightInt8Linear(child.weight, child.bias))
+            count += 1
+        elif full in weight_only:
+            count += _weight_only(child)
+        elif isinstance(child, nn.Linear) and child.out_features >= min_out:
             s = (smooth or {}).get(full)
             setattr(module, name, Int8Linear(child.weight, child.bias, reduce_range, s))
             count += 1
         else:
-            count += quantize_linears(child, reduce_range, smooth, min_out, f"{full}.", skip)
+            count += quantize_linears(child, reduce_range, smooth, min_out, f"{full}.", skip, weight_only)
+    return count
+
+
+def _weight_only(module: nn.Module) -> int:
+    """Every nn.Linear below ``module`` -> WeightInt8Linear; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, WeightInt8Linear(child.weight, child.bias))
+            count += 1
+        else:
+            count += _weight_only(child)
     return count
 
 
@@ -132,7 +184,8 @@ HEAD = "<head>"  # the key of the LM head among the smoothing scales
 # The fusion (and the taps' fc) read the target's raw features, whose outlier channels (one reaches 47
 # where most stay under 3) a row's 128 or 256 activation levels cannot carry: quantizing the fusion
 # alone dropped the shipped draft's agreement with float to 0.70-0.90, every other layer together cost
-# 1-3%.  They stay in float.
+# 1-3%.  Their activations stay in float: they get weight-only int8 (``WeightInt8Linear``, bf16
+# activations), or float32 weights where torch lacks that kernel.
 FLOAT_MODULES = ("fusion", "tap_fc")
 INT8_MIN_AGREEMENT = 0.95  # share of calibration steps whose greedy proposal equals the float draft's
 

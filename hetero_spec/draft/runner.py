@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..config import DRAFT_DTYPES, DenoiseConfig, SamplingConfig
 from ..spec.sampling import draw_without_replacement, process_logits
@@ -21,7 +22,8 @@ from ..cpu_features import cpu_has_bf16
 from .int8 import (FLOAT_MODULES, HEAD, INT8_MAX_ERROR, INT8_MIN_AGREEMENT, Int8Calibration, Int8Check, RescoredInt8Head,
                    calibrate_int8, int8_available, quantize_linears)
 from .context_head import ContextHead
-from .model import DraftModel
+from .model import DraftModel, _attend_one
+from .static_step import StaticStep
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -93,7 +95,7 @@ def _calibrate(model: DraftModel, rows: tuple[np.ndarray, np.ndarray] | None, de
     for mode in ("float32", "int8-full", "int8-reduced"):
         # forced modes given the scales measure nothing themselves, so this does not recurse
         runner = DraftRunner(copy.deepcopy(model), device="cpu", dtype=mode, denoise=denoise,
-                             int8_calibration=Int8Calibration(smooth))
+                             int8_calibration=Int8Calibration(smooth), cpu_threads=torch.get_num_threads())
         runs[mode] = np.array([runner.propose(feats[t : t + 1], tokens[t : t + 1], k=1)[0] for t in range(len(tokens))])
     agree = {m: float((runs[m] == runs["float32"]).mean()) for m in ("int8-full", "int8-reduced")}
     return Int8Calibration(smooth, Int8Check(err_full, err_reduced, agree["int8-full"], agree["int8-reduced"]))
@@ -163,8 +165,10 @@ class DraftRunner:
         self.device = resolve_device(device)
         self.dtype, int8_request = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
-            # Draft-sized matmuls gain nothing from a second thread, and a second pool
-            # spinning beside llama.cpp's slows the target's decode.
+            # The draft runs while the target waits, so it may take the target's threads: torch and llama.cpp's
+            # CPU backend share one OpenMP runtime (libgomp.so.1, loaded once per process) and so one thread
+            # team, whose workers spin briefly for the next parallel region of either, never beside each other.
+            # Measured (scripts/bench_draft_step.py, 2 cores): 2 threads 20-25% faster per step than 1.
             torch.set_num_threads(cpu_threads)
         if model.embed.numel() == 0:
             raise DraftError("draft has no target weights attached (call attach_target_weights)")
@@ -187,7 +191,7 @@ class DraftRunner:
         self.model.rope_sin = self.model.rope_sin.float()
         if self.weights.startswith("int8"):
             reduced, smooth = self.weights == "int8-reduced", self.int8_calibration.smooth
-            quantize_linears(self.model, reduced, smooth, skip=FLOAT_MODULES)
+            quantize_linears(self.model, reduced, smooth, weight_only=FLOAT_MODULES)
             base = RescoredInt8Head(self.model.head, reduced, smooth[HEAD])
         else:
             head_t = self.model.head.t()
@@ -200,6 +204,12 @@ class DraftRunner:
         self._log_threshold = math.log(denoise.threshold) if denoise.threshold > 0 else None
         self.cache = self._new_cache()
         self._zeros = torch.zeros(self.cfg.max_positions, device=self.device)
+        self._one_row = True  # one-position forwards take ``_forward_one`` (False: the general ``_blocks``)
+        # CUDA: a chain's one-position steps replay one captured graph (static_step.py)
+        self.cuda_graph = self.device.type == "cuda"
+        self._static: StaticStep | None = None  # captured on the first chain
+        # CUDA: page-locked staging of the incoming rows and ids, and the event after its last copy
+        self._pinned: dict[torch.dtype, tuple[torch.Tensor, torch.cuda.Event]] = {}
 
     def _new_cache(self) -> DraftCache:
         c, shape = self.cfg, (1, self.cfg.n_kv_heads, self.cfg.max_positions, self.cfg.head_dim)
@@ -265,25 +275,55 @@ class DraftRunner:
             raise DraftError("propose needs at least one real row and k >= 1")
         if self.cache.n + m + k - 1 > self.cfg.max_positions:
             raise DraftError(f"draft context of {self.cfg.max_positions} positions is full")
-        x, feat = self._forward(self._real(features), self._tokens(tokens))
+        g, toks = self._real(features), self._tokens(tokens)
+        x, feat = self._forward_step(g, toks) if m == 1 else self._forward(g, toks)
         x, feat = x[:, -1:], feat[:, -1:]  # [1, 1, hidden], [1, 1, n_embd]
-        out: list[int] = []
+        out: list[torch.Tensor] = []  # [] int64 each, on the device: read back once, after the last step
         for j in range(k):
             tok = self._head.d2t_t[self._head(feat[0]).argmax()]
-            out.append(int(tok))
+            out.append(tok)
             if j + 1 < k:
-                x, feat = self._forward(self.model.drafted_input(x, feat), tok.view(1, 1))
-        return out
+                x, feat = self._forward_step(self.model.drafted_input(x, feat), tok.view(1, 1))
+        return torch.stack(out).tolist()  # the round's one synchronisation on a GPU
+
+    def _forward_step(self, g: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position inside ``propose``: on CUDA the graphed static step (its outputs are buffers that
+        the next step overwrites, which a chain never reads again), elsewhere ``_forward``."""
+        if self.cuda_graph and self._one_row:
+            if self._static is None:
+                self._static = StaticStep(self)
+            return self._static(g, tokens)
+        return self._forward(g, tokens)
 
     def _real(self, features: np.ndarray) -> torch.Tensor:
         """The target's rows [m, n_in] -> g [1, m, feature_size] on the draft's device."""
-        f = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)).to(self.device, self.dtype)
+        f = self._to_device(np.ascontiguousarray(features, dtype=np.float32)).to(self.dtype)
         if f.shape[-1] != self.cfg.input_size:
             raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {f.shape[-1]}")
         return self.model.real_input(f[None])
 
     def _tokens(self, tokens: np.ndarray | list[int]) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)[None]
+        return self._to_device(np.asarray(tokens, dtype=np.int64))[None]
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A host array on the draft's device.  On CUDA it goes through pinned (page-locked) host memory with a
+        non-blocking copy: the GPU fetches it by DMA while the host goes on queueing the step, and nothing
+        waits until the round reads its proposals back."""
+        t = torch.from_numpy(arr)
+        if self.device.type != "cuda":
+            return t
+        staged, done = self._pinned.get(t.dtype, (None, None))
+        if done is not None:
+            done.synchronize()  # the previous copy out of this buffer (done long ago when a round read its proposals)
+        if staged is None or staged.numel() < t.numel():
+            staged = torch.empty(max(t.numel(), 4096), dtype=t.dtype, pin_memory=True)  # grown, never shrunk
+        view = staged[: t.numel()].view(t.shape)
+        view.copy_(t)
+        out = view.to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pinned[t.dtype] = (staged, done)
+        return out
 
     @torch.inference_mode()
     def propose_tree(
@@ -419,9 +459,45 @@ class DraftRunner:
         predicted features [1, T, n_embd])."""
         model, cache = self.model, self.cache
         T, p0 = tokens.shape[1], cache.n
+        if T == 1 and self._one_row:
+            return self._forward_one(g, tokens)
         L = p0 + T
         cos, sin = model.rope_cos[p0:L], model.rope_sin[p0:L]
         return self._blocks(g, tokens, cos, sin, p0, L, None)
+
+    def _forward_one(self, g: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_forward`` of one position, g [1, 1, feature_size], tokens [1, 1]: the same arithmetic as
+        ``_blocks`` in about half its torch calls.
+
+        WHY: a draft step on the CPU is a few hundred small kernels, and each torch call costs a few
+        microseconds of dispatch before it reads a byte; RoPE on q and k together, one bias per block and
+        no batch/transposed views cut the calls without changing a value."""
+        model, cache = self.model, self.cache
+        p = cache.n
+        L = p + 1
+        nh, nkv, hd = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        half = hd // 2
+        x, attn_in = model.fusion(g, model.embed[tokens])
+        cos, sin = model.rope_cos[p], model.rope_sin[p]  # [hd] float32
+        cache.holes[p] = 0.0  # this cell gets real states now
+        for i, blk in enumerate(model.blocks):
+            if attn_in is not None:
+                xn, attn_in = attn_in, None
+            else:
+                xn = blk.attn_norm(x) if blk.attn_norm is not None else x
+            qkv = blk.qkv(xn).view(nh + 2 * nkv, hd)
+            qk = qkv[: nh + nkv]
+            qk = (qk * cos + torch.cat((-qk[:, half:], qk[:, :half]), dim=-1) * sin).to(qkv.dtype)  # RoPE, as apply_rope
+            cache.k[i][0, :, p] = qk[nh:]
+            cache.v[i][0, :, p] = qkv[nh + nkv :]
+            gated = blk.importance is not None
+            if gated:
+                cache.log_gate[i][p] = F.logsigmoid(blk.importance(xn).view(()).float())
+            bias = self._bias(cache.log_gate[i][:L], 1, L, gated)
+            a = _attend_one(qk[:nh].view(1, nh, 1, hd), cache.k[i][:, :, :L], cache.v[i][:, :, :L], bias)
+            x = blk.after_attention(x, a.view(1, 1, nh * hd))
+        cache.n = L
+        return x, model.feature_out(x)
 
     def _blocks(self, g: torch.Tensor, tokens: torch.Tensor, cos, sin, p0: int, L: int,
                 tree_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

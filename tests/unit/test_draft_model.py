@@ -245,3 +245,130 @@ def test_rescored_int8_head_picks_the_float_argmax():
     assert int((flat.argmax(-1) != exact.argmax(-1)).sum()) > 0  # the planted ties do flip without rescoring
     top = exact.topk(2, dim=-1).indices  # the best two (here often a planted pair) carry float's values
     torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+
+
+def _gated_model(cfg: DraftConfig = CFG) -> DraftModel:
+    """make_model with gates that differ per key, so a wrong bias or a wrong cell shows in the outputs."""
+    m = make_model(cfg)
+    for blk in m.blocks:
+        torch.nn.init.normal_(blk.importance.weight, std=0.3)
+        torch.nn.init.constant_(blk.importance.bias, 0.0)
+    return m
+
+
+@pytest.mark.parametrize("cfg", [CFG, replace(CFG, fusion="eagle3", n_blocks=1), replace(CFG, gate="none", fusion="fc")],
+                         ids=["dgf-gated", "eagle3", "fc-ungated"])
+@pytest.mark.parametrize("denoise", [DenoiseConfig(), DenoiseConfig(threshold=0.5, recent_window=3)], ids=["plain", "denoised"])
+def test_one_row_forward_equals_the_general_forward(cfg, denoise):
+    """The one-position path (``_forward_one``) is the general ``_blocks`` arithmetic in fewer calls: the same
+    features after holes, rollbacks and drafted steps, and the same proposals."""
+    make = (lambda: _gated_model(cfg)) if cfg.gate == "darter" else (lambda: make_model(cfg))
+    rng = np.random.default_rng(5)
+    feats = rng.standard_normal((14, D)).astype(np.float32)
+    toks = rng.integers(0, V, 14)
+    runners = [DraftRunner(make(), device="cpu", dtype="float32", denoise=denoise) for _ in range(2)]
+    runners[1]._one_row = False
+    outs = []
+    for r in runners:
+        r.skip(2)
+        run_rows(r, feats[:6], toks[:6])
+        steps = [run_rows(r, feats[i : i + 1], toks[i : i + 1]) for i in range(6, 10)]
+        r.rollback(8)
+        steps += [run_rows(r, feats[i : i + 1], toks[i : i + 1]) for i in range(10, 14)]
+        outs.append((torch.cat(steps, dim=1), r.propose(feats[:1], toks[:1], k=4), r.n))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    assert outs[0][1:] == outs[1][1:]
+
+
+@pytest.mark.parametrize("denoise", [DenoiseConfig(), DenoiseConfig(threshold=0.5, recent_window=3)], ids=["plain", "denoised"])
+def test_static_step_equals_the_one_row_forward(denoise):
+    """The static-shape step (what CUDA captures as a graph) run eagerly on the CPU: the same features and
+    cache cells as ``_forward_one`` over the whole fixed-size cache, whatever stale cells lie after the
+    position (here a longer earlier chain) and whatever holes lie before it."""
+    from hetero_spec.draft.static_step import StaticStep
+
+    rng = np.random.default_rng(6)
+    feats = rng.standard_normal((12, D)).astype(np.float32)
+    toks = rng.integers(0, V, 12)
+    dyn, sta = (DraftRunner(_gated_model(), device="cpu", dtype="float32", denoise=denoise) for _ in range(2))
+    step = StaticStep(sta, graph=False)
+    for r in (dyn, sta):
+        r.skip(3)
+        run_rows(r, feats[:8], toks[:8])  # 11 cells; 8..10 are rolled back next and become stale
+        r.rollback(8)
+    with torch.inference_mode():
+        for i in range(8, 12):
+            g = dyn.model.real_input(torch.from_numpy(feats[i : i + 1])[None])
+            tok = torch.from_numpy(toks[i : i + 1])[None]
+            want = dyn._forward_one(g, tok)
+            got = step(g, tok)
+            for a, b in zip(want, got):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sta.n == dyn.n == 12
+    torch.testing.assert_close(sta.cache.k[0][:, :, :12], dyn.cache.k[0][:, :, :12])
+    torch.testing.assert_close(sta.cache.log_gate[1][:12], dyn.cache.log_gate[1][:12])
+
+
+def test_proposals_are_read_back_once_per_chain():
+    """A chain of k proposals leaves the device once (one ``tolist`` of the stacked ids): on a GPU that is
+    the round's one synchronisation.  Counted through torch.Tensor.tolist / item / __int__ on the CPU."""
+    r = DraftRunner(make_model(), device="cpu", dtype="float32")
+    rng = np.random.default_rng(7)
+    calls = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__int__")}
+    try:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, lambda self, *a, _n=name, _f=fn: calls.append(_n) or _f(self, *a))
+        out = r.propose(rng.standard_normal((1, D)).astype(np.float32), [3], k=4)
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+    assert len(out) == 4 and calls == ["tolist"]
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="torch without weight-only int8")
+def test_weight_only_int8_keeps_outlier_activations():
+    """Weight-only int8 (the fusion's layers) stays within 1% of float on rows with a few channels 50x the
+    rest, where fbgemm's dynamic int8 (activations quantized per row) loses the small channels."""
+    from hetero_spec.draft.int8 import WeightInt8Linear
+
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(256, 128)
+    x = torch.randn(32, 256)
+    x[:, :3] *= 50.0  # the target features' outlier channels
+    ref = lin(x).detach()
+    rel = lambda y: float((y - ref).norm() / ref.norm())  # noqa: E731
+    weight_only = rel(WeightInt8Linear(lin.weight, lin.bias)(x))
+    assert weight_only < 0.01
+    if int8_available():
+        dynamic = rel(torch.cat([Int8Linear(lin.weight, lin.bias)(r) for r in x.split(1)]))
+        assert dynamic > 2 * weight_only
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch build without fbgemm")
+def test_int8_runner_quantizes_every_layer():
+    """int8 leaves no float32 matmul weight in the draft: fbgemm int8 blocks and head, weight-only int8 fusion and taps' fc."""
+    from hetero_spec.draft.int8 import Int8Linear as Dyn, WeightInt8Linear, weight_int8_available
+
+    cfg = replace(CFG, taps=(1, 2))
+    rng = np.random.default_rng(8)
+    feats = rng.standard_normal((20, 2 * D)).astype(np.float32)
+    r = DraftRunner(make_model(cfg), device="cpu", dtype="int8-full", calibration=(feats, rng.integers(0, V, 20)))
+    linears = [n for n, mod in r.model.named_modules() if isinstance(mod, torch.nn.Linear) and mod.out_features > 1]
+    assert linears == ([] if weight_int8_available() else ["tap_fc", "fusion.w1", "fusion.w2", "fusion.wz"])
+    assert isinstance(r.model.blocks[0].qkv, Dyn)
+    if weight_int8_available():
+        assert isinstance(r.model.tap_fc, WeightInt8Linear) and isinstance(r.model.fusion.wz, WeightInt8Linear)
+    assert len(r.propose(feats[:2], [1, 2], k=3)) == 3
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch build without fbgemm")
+def test_int8_check_leaves_the_runner_on_its_threads():
+    """The int8 check builds runners of its own; the draft must still run on the threads it was given (the
+    target's), not on whatever the check's runners set."""
+    before = torch.get_num_threads()
+    try:
+        DraftRunner(make_model(), device="cpu", dtype="auto", cpu_threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
