@@ -1,16 +1,26 @@
 """What the HTTP server costs: tokens/s through ``hetero-spec serve`` against ``hetero-spec run``,
 latency with concurrent clients, and the time to first token of a conversation's second turn.
 
-    python scripts/bench_server.py "$(python scripts/default_model.py)" -t 2 --out bench-server.json
+    python scripts/bench_server.py "$(python scripts/default_model.py)" --out bench-server.json
 
-1. overhead   the same prompts through ``hetero-spec run --stats-json`` (a subprocess each) and through
-              the server (a streaming request each), interleaved prompt by prompt with the order
-              alternating.  Decode tokens/s: run's own ``tokens_per_s``; the server's as the client
-              sees it, (tokens - 1) / (last byte - first text).  End to end: tokens / (request sent ->
-              last byte) against run's tokens / (prefill + decode).  Greedy texts must match.
+Both sides run at the same thread count: ``-t 0`` (the default) is the default of ``run`` and
+``serve`` (every core), which is where a busy thread beside llama.cpp's shows.
+
+1. overhead   one sequential client: the same prompts through ``hetero-spec run --stats-json`` (a
+              subprocess each) and through the server (a streaming request each), interleaved prompt
+              by prompt with the order alternating; medians.  Decode tokens/s: run's own
+              ``tokens_per_s``; the server's as the client sees it, (tokens - 1) / (last byte - first
+              text).  End to end: tokens / (request sent -> last byte) against run's tokens / (prefill
+              + decode).  Greedy texts must match.  Also the server's CPU time by thread over those
+              requests, from /proc: the event loop's share (the main thread) and how many threads
+              were busy, so a thread spinning beside llama.cpp's shows up.
 2. load       N clients at once, each sending R streaming requests back to back: p50/p95 of the
               queue wait (the server's ``hetero_spec.queue_s``) and of the time to first token
               (request sent -> first text, at the client).
+2b. slots     the same load against ``serve --parallel N --no-draft`` (the batched engine), with every
+              greedy text checked against the one-sequence server's text of the same prompt.
+2c. llama-server  the same load against llama.cpp's own server with ``-np N`` (continuous batching; built
+              by ``scripts/build_llama_cpp.sh``), same threads, KV cells and 32-row micro-batches.
 3. turns      per mt_bench conversation: turn 1, then turn 2 (which reuses turn 1's cached prefix),
               another conversation in between, then the same turn 2 again (only the template's
               shared system prefix is reusable): time to first token, warm against cold.
@@ -18,6 +28,7 @@ latency with concurrent clients, and the time to first token of a conversation's
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,7 +93,7 @@ def stream_chat(http: httpx.Client, messages: list[dict], max_tokens: int) -> di
                     first = first or time.perf_counter()
                     text.append(choice["delta"]["content"])
     t1 = time.perf_counter()
-    n = usage["completion_tokens"]
+    n = usage.get("completion_tokens", len(text))  # a server without include_usage: one piece a token
     first = first or t1
     return {"text": "".join(text), "tokens": n, "ttft_s": first - t0, "wall_s": t1 - t0,
             "decode_tps": (n - 1) / (t1 - first) if n > 1 and t1 > first else 0.0, "server": stats}
@@ -100,16 +111,59 @@ def run_cli(model: Path, engine: list[str], prompt: str, max_tokens: int) -> dic
             "e2e_tps": stats["new_tokens"] / stats["wall_s"]}
 
 
-def overhead(http, model, engine, prompts, max_tokens, repeats) -> dict:
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of ``pid`` so far, from /proc (Linux only; {} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended in between
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class ThreadCPU:
+    """Sums each server thread's CPU time over the server's requests only (run's are not its own)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.used: dict[int, float] = {}
+        self.wall = 0.0
+
+    def measure(self, fn):
+        before, t0 = thread_cpu_s(self.pid), time.perf_counter()
+        result = fn()
+        after = thread_cpu_s(self.pid)
+        self.wall += time.perf_counter() - t0
+        for tid, s in after.items():
+            self.used[tid] = self.used.get(tid, 0.0) + s - before.get(tid, 0.0)
+        return result
+
+    def summary(self) -> dict:
+        total = sum(self.used.values())
+        busy = sorted((s for s in self.used.values() if s > 0.01 * self.wall), reverse=True)
+        return {"wall_s": self.wall, "cpu_s": total, "event_loop_cpu_s": self.used.get(self.pid, 0.0),
+                "event_loop_share": self.used.get(self.pid, 0.0) / total if total else 0.0,
+                "busy_threads_cpu_s": busy}
+
+
+def overhead(http, model, engine, prompts, max_tokens, repeats, server_pid: int) -> dict:
     rows = []
+    cpu = ThreadCPU(server_pid)
     for i, prompt in enumerate([p for _ in range(repeats) for p in prompts]):
         msgs = [{"role": "user", "content": prompt}]
         if i % 2:
-            srv = stream_chat(http, msgs, max_tokens)
+            srv = cpu.measure(lambda: stream_chat(http, msgs, max_tokens))
             cli = run_cli(model, engine, prompt, max_tokens)
         else:
             cli = run_cli(model, engine, prompt, max_tokens)
-            srv = stream_chat(http, msgs, max_tokens)
+            srv = cpu.measure(lambda: stream_chat(http, msgs, max_tokens))
         rows.append({"tokens": srv["tokens"], "same_text": srv["text"] == cli["text"],
                      "run_decode_tps": cli["decode_tps"], "server_decode_tps": srv["decode_tps"],
                      "server_reported_tps": srv["server"].get("tokens_per_s", 0.0),
@@ -117,23 +171,32 @@ def overhead(http, model, engine, prompts, max_tokens, repeats) -> dict:
     ratio = [r["server_decode_tps"] / r["run_decode_tps"] for r in rows if r["run_decode_tps"] > 0]
     e2e = [r["server_e2e_tps"] / r["run_e2e_tps"] for r in rows if r["run_e2e_tps"] > 0]
     return {"rows": rows, "median_decode_ratio": statistics.median(ratio), "median_e2e_ratio": statistics.median(e2e),
-            "all_texts_equal": all(r["same_text"] for r in rows)}
+            "median_run_decode_tps": statistics.median(r["run_decode_tps"] for r in rows),
+            "median_server_decode_tps": statistics.median(r["server_decode_tps"] for r in rows),
+            "all_texts_equal": all(r["same_text"] for r in rows), "server_threads": cpu.summary()}
 
 
 def load(url, prompts, clients, per_client, max_tokens) -> dict:
     def one_client(c: int) -> list[dict]:
         with httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
-            return [stream_chat(http, [{"role": "user", "content": prompts[(c + r) % len(prompts)]}], max_tokens)
-                    for r in range(per_client)]
+            out = []
+            for r in range(per_client):
+                prompt = prompts[(c + r) % len(prompts)]
+                out.append({**stream_chat(http, [{"role": "user", "content": prompt}], max_tokens), "prompt": prompt})
+            return out
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(one_client, range(clients)) for r in rs]
     wall = time.perf_counter() - t0
-    queue = [r["server"]["queue_s"] for r in results]
+    queue = [r["server"].get("queue_s", 0.0) for r in results]  # 0 where the server does not say (llama-server)
     ttft = [r["ttft_s"] for r in results]
+    texts: dict[str, set[str]] = {}
+    for r in results:
+        texts.setdefault(r["prompt"], set()).add(r["text"])
     return {"clients": clients, "requests": len(results), "queue_wait_s": pct(queue), "ttft_s": pct(ttft),
-            "aggregate_tps": sum(r["tokens"] for r in results) / wall}
+            "aggregate_tps": sum(r["tokens"] for r in results) / wall,
+            "texts": {p: sorted(t) for p, t in texts.items()}}
 
 
 def turns(http, conversations, max_tokens) -> dict:
@@ -152,6 +215,29 @@ def turns(http, conversations, max_tokens) -> dict:
             "cold_prefill_s": pct([c["server"]["prefill_s"] for c in cold])}
 
 
+def llama_server_load(model: Path, threads: int, ctx: int, parallel: int, prompts, clients, per_client,
+                      max_tokens) -> dict:
+    """The load part against ``llama-server -np parallel`` (continuous batching, its defaults otherwise)."""
+    from hetero_spec.bench.llama_server import LlamaServer, find_tool, free_port
+    from hetero_spec.target.kernels import apply_kernel_plan
+    from hetero_spec.target.llama_target import default_threads
+
+    t = str(threads or default_threads())
+    port = free_port()
+    cmd = [str(find_tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", t,
+           "-tb", t, "-c", str(ctx * parallel), "-np", str(parallel), "-ub", "32", "-ctk", "q8_0", "-ctv", "q8_0",
+           "-fa", "auto", "-ngl", "0", "--no-webui", *apply_kernel_plan().tool_args()]
+    srv = LlamaServer(cmd, port)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
+            stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
+        out = load(srv.url, prompts, clients, per_client, max_tokens)
+    finally:
+        srv.close()
+    out["parallel"] = parallel
+    return out
+
+
 def pct(values: list[float]) -> dict:
     qs = statistics.quantiles(values, n=20, method="inclusive") if len(values) > 1 else values * 19
     return {"p50": statistics.median(values), "p95": qs[18], "n": len(values)}
@@ -160,7 +246,8 @@ def pct(values: list[float]) -> dict:
 @click.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("draft", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--threads", "-t", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--threads", "-t", default=0, show_default=True, type=click.IntRange(0),
+              help="llama.cpp threads of both run and serve (0: their default, every core)")
 @click.option("--ctx", default=4096, show_default=True)
 @click.option("--n-prompts", default=8, show_default=True, help="mt_bench prompts for the overhead part")
 @click.option("--max-tokens", default=128, show_default=True)
@@ -169,43 +256,95 @@ def pct(values: list[float]) -> dict:
 @click.option("--per-client", default=3, show_default=True, help="requests each concurrent client sends")
 @click.option("--load-tokens", default=32, show_default=True, help="max_tokens of the load part's requests")
 @click.option("--conversations", default=6, show_default=True)
+@click.option("--parts", default="overhead,load,turns", show_default=True,
+              help="which parts to run, comma-separated: overhead, load, slots (needs load), llama-server, turns")
+@click.option("--parallel", default=4, show_default=True, type=click.IntRange(2), help="slots of the slots part")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="write the figures as JSON")
 def main(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
-         out):
+         parts, parallel, out):
     rows = [json.loads(ln)["turns"] for ln in shipped_text("mt_bench").splitlines() if ln.strip()]
     prompts = [t[0] for t in rows]
     engine = [str(draft), "--draft-device", "cpu"] if draft else ["--no-draft"]
     engine += ["-t", str(threads), "--ctx", str(ctx)]
+    wanted = set(parts.split(","))
     with Server([str(model), *engine]) as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
         stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
-        result = {
-            "model": model.name, "draft": draft.name if draft else None, "threads": threads,
-            "overhead": overhead(http, model, engine, prompts[:n_prompts], max_tokens, repeats),
-            "load": load(srv.url, prompts, clients, per_client, load_tokens),
-            "turns": turns(http, [(t[0], t[1]) for t in rows if len(t) > 1][:conversations], max_tokens),
-        }
+        result = {"model": model.name, "draft": draft.name if draft else None, "threads": threads,
+                  "cpu": cpu_name(), "n_cpus": os.cpu_count()}
+        if "overhead" in wanted:
+            result["overhead"] = overhead(http, model, engine, prompts[:n_prompts], max_tokens, repeats, srv.proc.pid)
+        if "load" in wanted:
+            result["load"] = load(srv.url, prompts, clients, per_client, load_tokens)
+        if "turns" in wanted:
+            result["turns"] = turns(http, [(t[0], t[1]) for t in rows if len(t) > 1][:conversations], max_tokens)
+    if "llama-server" in wanted:
+        result["llama_server"] = llama_server_load(model, threads, ctx, parallel, prompts, clients, per_client,
+                                                   load_tokens)
+    if "slots" in wanted and "load" in result:
+        slot_engine = ["--no-draft", "-t", str(threads), "--ctx", str(ctx), "--parallel", str(parallel)]
+        with Server([str(model), *slot_engine, "--max-queue", str(clients)]) as srv, \
+                httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
+            stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
+            slots = load(srv.url, prompts, clients, per_client, load_tokens)
+        slots["parallel"] = parallel
+        slots["texts_equal_one_sequence"] = slots["texts"] == result["load"]["texts"]  # greedy: lossless either way
+        result["slots"] = slots
     report(result)
     if out:
         out.write_text(json.dumps(result, indent=2))
 
 
+def cpu_name() -> str:
+    """The CPU's model name, family and model (what a figure is quoted with)."""
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    return f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
+
+
 def report(r: dict) -> None:
-    o, lo, tu = r["overhead"], r["load"], r["turns"]
-    click.echo(f"model {r['model']}, draft {r['draft']}, {r['threads']} thread(s)")
-    click.echo(f"overhead over {len(o['rows'])} runs: server/run decode tokens/s median ratio "
-               f"{o['median_decode_ratio']:.3f} (overhead {100 * (1 - o['median_decode_ratio']):+.1f}%), end to end "
-               f"{o['median_e2e_ratio']:.3f}; greedy texts equal: {o['all_texts_equal']}")
-    for row in o["rows"]:
-        click.echo(f"  {row['tokens']:4d} tok  run {row['run_decode_tps']:6.1f}  server {row['server_decode_tps']:6.1f}"
-                   f" (server-side {row['server_reported_tps']:6.1f})  e2e run {row['run_e2e_tps']:6.1f} server "
-                   f"{row['server_e2e_tps']:6.1f}")
-    click.echo(f"load: {lo['clients']} clients, {lo['requests']} requests: queue wait p50 "
-               f"{lo['queue_wait_s']['p50']:.3f} s p95 {lo['queue_wait_s']['p95']:.3f} s; "
-               f"TTFT p50 {lo['ttft_s']['p50']:.3f} s p95 {lo['ttft_s']['p95']:.3f} s; "
-               f"aggregate {lo['aggregate_tps']:.1f} tok/s")
-    click.echo(f"second turn over {tu['conversations']} conversations: TTFT warm p50 {tu['warm_ttft_s']['p50']:.3f} s "
-               f"(prefill {tu['warm_prefill_s']['p50']:.3f} s) vs cold p50 {tu['cold_ttft_s']['p50']:.3f} s "
-               f"(prefill {tu['cold_prefill_s']['p50']:.3f} s)")
+    click.echo(f"model {r['model']}, draft {r['draft']}, threads {r['threads'] or 'default'}; "
+               f"{r['cpu']}, {r['n_cpus']} CPUs")
+    if "overhead" in r:
+        o = r["overhead"]
+        click.echo(f"1 client over {len(o['rows'])} interleaved runs: decode tokens/s median run "
+                   f"{o['median_run_decode_tps']:.1f}, server {o['median_server_decode_tps']:.1f}; server/run median "
+                   f"ratio {o['median_decode_ratio']:.3f} (overhead {100 * (1 - o['median_decode_ratio']):+.1f}%), end "
+                   f"to end {o['median_e2e_ratio']:.3f}; greedy texts equal: {o['all_texts_equal']}")
+        for row in o["rows"]:
+            click.echo(f"  {row['tokens']:4d} tok  run {row['run_decode_tps']:6.1f}  server "
+                       f"{row['server_decode_tps']:6.1f} (server-side {row['server_reported_tps']:6.1f})  e2e run "
+                       f"{row['run_e2e_tps']:6.1f} server {row['server_e2e_tps']:6.1f}")
+        th = o["server_threads"]
+        click.echo(f"  server CPU over its {th['wall_s']:.1f} s of requests: {th['cpu_s']:.1f} s, event loop "
+                   f"{th['event_loop_cpu_s']:.2f} s ({100 * th['event_loop_share']:.1f}%); threads busy over 1% of "
+                   f"the time: {', '.join(f'{s:.1f} s' for s in th['busy_threads_cpu_s'])}")
+    if "load" in r:
+        lo = r["load"]
+        click.echo(f"load: {lo['clients']} clients, {lo['requests']} requests: queue wait p50 "
+                   f"{lo['queue_wait_s']['p50']:.3f} s p95 {lo['queue_wait_s']['p95']:.3f} s; "
+                   f"TTFT p50 {lo['ttft_s']['p50']:.3f} s p95 {lo['ttft_s']['p95']:.3f} s; "
+                   f"aggregate {lo['aggregate_tps']:.1f} tok/s")
+    if "slots" in r:
+        sl = r["slots"]
+        click.echo(f"slots (--parallel {sl['parallel']}, no draft): {sl['clients']} clients, {sl['requests']} requests: "
+                   f"TTFT p50 {sl['ttft_s']['p50']:.3f} s p95 {sl['ttft_s']['p95']:.3f} s; aggregate "
+                   f"{sl['aggregate_tps']:.1f} tok/s; greedy texts equal the one-sequence server's: "
+                   f"{sl['texts_equal_one_sequence']}")
+    if "llama_server" in r:
+        ls = r["llama_server"]
+        click.echo(f"llama-server -np {ls['parallel']}: {ls['clients']} clients, {ls['requests']} requests: TTFT p50 "
+                   f"{ls['ttft_s']['p50']:.3f} s p95 {ls['ttft_s']['p95']:.3f} s; aggregate {ls['aggregate_tps']:.1f} "
+                   f"tok/s")
+    if "turns" in r:
+        tu = r["turns"]
+        click.echo(f"second turn over {tu['conversations']} conversations: TTFT warm p50 "
+                   f"{tu['warm_ttft_s']['p50']:.3f} s (prefill {tu['warm_prefill_s']['p50']:.3f} s) vs cold p50 "
+                   f"{tu['cold_ttft_s']['p50']:.3f} s (prefill {tu['cold_prefill_s']['p50']:.3f} s)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server around one ``HeteroSpec`` (``hetero-spec serve``).
+"""An OpenAI-compatible HTTP server (``hetero-spec serve``): one ``HeteroSpec``, or N slots of the batched engine.
 
 Needs the ``[server]`` extra (FastAPI, uvicorn, pydantic, prometheus-client); importing this
 package does not import them, so the CLI starts without the extra installed.
@@ -8,6 +8,7 @@ package does not import them, so the CLI starts without the extra installed.
     requests.py   request models             responses.py response and chunk shapes
     middleware.py id, body limit, 500, log   auth.py      bearer key
     metrics.py    Prometheus registry        launch.py    uvicorn entry point
+    slot_worker.py  --parallel: the thread that drives the batched engine (hetero_spec/engine)
 """
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
 """The FastAPI application: routes, and the wiring of queue, worker, metrics, auth and middleware.
 
-``create_app`` takes a ready ``HeteroSpec``; the app owns the worker thread (started and
-stopped by the lifespan), never the model, so a test or an embedding program can serve an
-instance it built itself.
+``create_app`` takes a callable that builds the ``HeteroSpec``; the app's worker thread calls it,
+so that the model is loaded, used and closed on that one thread (``worker.py`` says why).  The
+lifespan starts the worker and waits until the model is ready; ``launch.serve`` starts it earlier,
+so that a model that cannot load is one line on stderr before anything listens.
 """
 from __future__ import annotations
 
 import asyncio
 import secrets
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -38,17 +39,31 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(exc.errors()) from None
 
 
-def create_app(hs, server: ServerConfig, options: dict | None = None) -> FastAPI:
-    """The OpenAI-compatible app around ``hs``; ``options`` are its drafting options
-    (``EngineConfig.generate_options()``: draft_len, tree, draft_p_min, lookup)."""
-    queue = RequestQueue(server.max_queue)
-    metrics = Metrics(queue_depth=lambda: queue.depth, busy=lambda: int(queue.running is not None))
-    worker = Worker(hs, queue, metrics, options or {})
+def create_app(load: Callable[[], Any], server: ServerConfig, options: dict | None = None,
+               slots: int = 1) -> FastAPI:
+    """The OpenAI-compatible app around the ``HeteroSpec`` that ``load()`` builds on the worker thread
+    (``app.state.worker.hs`` once ready); ``options`` are its drafting options
+    (``EngineConfig.generate_options()``: draft_len, tree, draft_p_min, lookup).
+
+    ``slots`` > 1: ``load()`` builds a ``SequenceTarget`` of that many sequences instead, and requests
+    decode together in the batched engine (``slot_worker.py``; plain rows, and prompt-lookup rows unless
+    ``options["lookup"]`` is False)."""
+    queue = RequestQueue(server.max_queue, slots)
+    metrics = Metrics(queue_depth=lambda: queue.depth, busy=lambda: queue.busy, slots=slots)
+    if slots > 1:
+        from ..engine import Drafting
+        from .slot_worker import LOOKUP_DEPTH, SlotWorker
+
+        lookup = (options or {}).get("lookup", True)
+        worker = SlotWorker(load, queue, metrics, slots, Drafting(lookup_depth=LOOKUP_DEPTH if lookup else 0))
+    else:
+        worker = Worker(load, queue, metrics, options or {})
     gate = Gate(queue, worker, server)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         worker.start()
+        await asyncio.to_thread(worker.wait_ready)
         try:
             yield
         finally:
@@ -64,8 +79,11 @@ def create_app(hs, server: ServerConfig, options: dict | None = None) -> FastAPI
     async def health() -> JSONResponse:
         """Liveness without a key: 503 once the decoding thread is gone (nothing would be served)."""
         ok = worker.alive
-        return JSONResponse({"status": "ok" if ok else "error", "model": server.model_id, "queue_depth": queue.depth,
-                             "busy": queue.running is not None}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "error", "model": server.model_id, "queue_depth": queue.depth,
+                "busy": queue.busy > 0}
+        if slots > 1:
+            body["slots"] = worker.slots()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:

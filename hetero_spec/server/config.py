@@ -30,10 +30,20 @@ class EngineConfig:
     tree: TreeSpec | None = None
     draft_p_min: float | None = None
     lookup: bool = True
+    parallel: int = 1  # slots: > 1 decodes that many requests together in the batched engine (plain rows)
+
+    def __post_init__(self) -> None:
+        if self.parallel < 1:
+            raise ConfigError(f"--parallel must be >= 1, not {self.parallel}")
+        if self.parallel > 1 and self.draft is not None:
+            raise ConfigError("--parallel > 1 decodes plainly for now (no draft-model rows in the batched engine "
+                              "yet, only prompt lookup); add --no-draft, or serve with --parallel 1 to use the draft")
 
     def generate_options(self) -> dict:
         """Keyword arguments of ``HeteroSpec.generate`` that come from the server, not the request."""
-        return dict(draft_len=self.draft_len if self.draft is not None else 0, tree=self.tree,
+        # without a draft model, auto still drafts from the text itself (suffix structure, prompt lookup);
+        # --no-draft arrives here as draft_len 0
+        return dict(draft_len=self.draft_len, tree=self.tree,
                     draft_p_min=self.draft_p_min, lookup=self.lookup)
 
 

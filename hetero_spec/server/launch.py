@@ -49,21 +49,59 @@ def uvicorn_config(app, server: ServerConfig) -> uvicorn.Config:
                           timeout_graceful_shutdown=5, lifespan="on")
 
 
-def serve(engine: EngineConfig, server: ServerConfig) -> None:
-    """Load ``engine``'s model and draft, then serve until interrupted."""
-    from ..api import HeteroSpec
+def loader(engine: EngineConfig):
+    """The callable the worker thread runs to build the model: target, draft and, for ``auto``, the cost
+    curve (measured or loaded now, not inside the first request), all on that thread."""
 
+    def load():
+        from ..api import HeteroSpec
+
+        hs = HeteroSpec(engine.model, engine.draft, n_ctx=engine.n_ctx, threads=engine.threads,
+                        draft_device=engine.draft_device, draft_dtype=engine.draft_dtype, denoise=engine.denoise,
+                        kv_type=engine.kv_type)
+        try:
+            if engine.draft_len == "auto":  # the cost curve prices the suffix structure's rows too
+                hs.cost_curve()
+        except BaseException:
+            hs.close()
+            raise
+        return hs
+
+    return load
+
+
+def slot_loader(engine: EngineConfig):
+    """The callable the slot worker runs to build its multi-sequence context: ``--parallel`` sequences of
+    ``--ctx`` cells each, on that thread."""
+
+    def load():
+        from ..target.sequences import SequenceOptions, SequenceTarget
+
+        return SequenceTarget(engine.model, SequenceOptions(n_seq=engine.parallel, seq_ctx=engine.n_ctx,
+                                                            n_threads=engine.threads, kv_type=engine.kv_type))
+
+    return load
+
+
+def serve(engine: EngineConfig, server: ServerConfig) -> None:
+    """Load ``engine``'s model and draft on the worker thread, then serve until interrupted.
+
+    A load failure raises ``LoadFailed`` (a ``HeteroSpecError``: one line, non-zero exit) before
+    uvicorn binds anything."""
     configure_logging()
     if not server.loopback_only:
         log.warning("binding to %s: other machines can reach this server%s", server.host,
                     "" if server.api_key else " and no --api-key is set")
-    with HeteroSpec(engine.model, engine.draft, n_ctx=engine.n_ctx, threads=engine.threads,
-                    draft_device=engine.draft_device, draft_dtype=engine.draft_dtype, denoise=engine.denoise,
-                    kv_type=engine.kv_type) as hs:
-        if engine.draft is not None and engine.draft_len == "auto":
-            hs.cost_curve()  # measure (or load) now, not inside the first request
-        app = create_app(hs, server, engine.generate_options())
-        try:
-            ListeningServer(uvicorn_config(app, server)).run()
-        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is the normal stop
-            log.info("stopped")
+    if engine.parallel > 1:
+        app = create_app(slot_loader(engine), server, engine.generate_options(), slots=engine.parallel)
+    else:
+        app = create_app(loader(engine), server, engine.generate_options())
+    worker = app.state.worker
+    worker.start()
+    try:
+        worker.wait_ready()
+        ListeningServer(uvicorn_config(app, server)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is the normal stop
+        log.info("stopped")
+    finally:
+        worker.stop()  # closes the model on its own thread (a no-op after the lifespan stopped it)

@@ -21,7 +21,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_depth: Callable[[], int], busy: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], busy: Callable[[], int], slots: int = 1) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by endpoint and status "
                                 "(499: the client left before the end)", ["endpoint", "status"], registry=r)
@@ -35,7 +35,18 @@ class Metrics:
         self.mean_accepted = Gauge(f"{PREFIX}_mean_accepted_length", "mean accepted length (bonus token "
                                    "included) of the last finished generation", registry=r)
         Gauge(f"{PREFIX}_queue_depth", "requests waiting for the model", registry=r).set_function(queue_depth)
-        Gauge(f"{PREFIX}_busy", "1 while the model is generating", registry=r).set_function(busy)
+        Gauge(f"{PREFIX}_busy", "requests generating now (slots in use)", registry=r).set_function(busy)
+        Gauge(f"{PREFIX}_slots", "slots (sequences decoded together; --parallel)", registry=r).set(slots)
+        Gauge(f"{PREFIX}_slot_occupancy", "share of the slots in use", registry=r).set_function(
+            lambda: busy() / slots)
+        # engine steps (--parallel): rows per llama_decode, and rows by kind (prompt, plain, draft), so the
+        # drafted-row share is rate(rows_total{kind="draft"}) / rate(rows_total)
+        self.step_rows = Histogram(f"{PREFIX}_step_rows", "rows in one engine step's llama_decode",
+                                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+        self.rows = Counter(f"{PREFIX}_rows", "rows decoded by engine steps, by kind", ["kind"], registry=r)
+        for kind in ("prompt", "plain", "draft"):
+            self.rows.labels(kind)
+        self.decode_steps = Counter(f"{PREFIX}_decode_steps", "engine steps (one llama_decode each)", registry=r)
         self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "time from arrival to the model taking a request",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time from arrival to the first text",

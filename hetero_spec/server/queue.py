@@ -1,6 +1,7 @@
 """The bounded FIFO between the event loop (many requests) and the one decoding thread.
 
-One model instance decodes one sequence at a time, so requests wait here in arrival order.
+The model decodes one sequence at a time (or one per slot with ``--parallel``), so requests wait
+here in arrival order.
 A plain ``queue.Queue`` cannot take back a request whose client left or whose wait ran
 out, and then its slot would stay counted; this one can, under the same lock as ``take``,
 so a request is either withdrawn or running, never both.
@@ -63,41 +64,56 @@ class Job:
 
 
 class RequestQueue:
-    """FIFO of waiting jobs with a bound; ``running`` is the job the worker holds."""
+    """FIFO of waiting jobs with a bound; ``active`` are the jobs the worker holds (one per slot)."""
 
-    def __init__(self, max_waiting: int) -> None:
+    def __init__(self, max_waiting: int, slots: int = 1) -> None:
         self.max_waiting = max_waiting
+        self.slots = slots
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self.running: Job | None = None
+        self.active: list[Job] = []
 
     @property
     def depth(self) -> int:
-        """Requests waiting (the running one not counted)."""
+        """Requests waiting (the running ones not counted)."""
         return len(self._waiting)
+
+    @property
+    def busy(self) -> int:
+        """Requests the worker holds now."""
+        return len(self.active)
+
+    @property
+    def running(self) -> Job | None:
+        """The oldest job the worker holds (the only one without slots)."""
+        return self.active[0] if self.active else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._closed:
                 raise QueueClosed()
-            # room for max_waiting behind the running one; an idle worker takes the next at once
-            if len(self._waiting) + (self.running is not None) > self.max_waiting:
+            # room for max_waiting behind the running ones; an idle slot takes the next at once
+            if len(self._waiting) + len(self.active) >= self.max_waiting + self.slots:
                 raise QueueFull()
             self._waiting.append(job)
             self._cond.notify()
 
-    def take(self) -> Job | None:
-        """Worker: the oldest waiting job, now running; blocks while empty; None once closed."""
+    def take(self, block: bool = True) -> Job | None:
+        """Worker: the oldest waiting job, now running; blocks while empty (unless ``block`` is False);
+        None once closed, or when nothing waits and ``block`` is False."""
         with self._cond:
-            self.running = None
-            while not self._waiting and not self._closed:
+            while block and not self._waiting and not self._closed:
                 self._cond.wait()
-            if self._closed:
+            if self._closed or not self._waiting:
                 return None
             job = self._waiting.popleft()
             job.started_at = time.perf_counter()
-            self.running = job
+            self.active.append(job)
             return job
 
     def withdraw(self, job: Job) -> bool:
@@ -110,10 +126,10 @@ class RequestQueue:
             return True
 
     def done(self, job: Job) -> None:
-        """Worker: the running job has finished; its slot is free."""
+        """Worker: the job has finished; its slot is free."""
         with self._cond:
-            if self.running is job:
-                self.running = None
+            if job in self.active:
+                self.active.remove(job)
 
     def close(self) -> list[Job]:
         """Stop taking work; returns the jobs that never started (their handlers get a 503)."""
@@ -121,7 +137,7 @@ class RequestQueue:
             self._closed = True
             left = list(self._waiting)
             self._waiting.clear()
-            if self.running is not None:
-                self.running.cancel()
+            for job in self.active:
+                job.cancel()
             self._cond.notify_all()
             return left

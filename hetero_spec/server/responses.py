@@ -34,6 +34,7 @@ def hetero_spec_stats(fin: Finished) -> dict:
         "drafted_tokens": int(s.total("drafted")),
         "accepted_tokens": int(s.total("accepted")),
         "lookup_rounds": sum(r.source == "lookup" for r in s.rounds),
+        "suffix_rounds": sum(r.source == "suffix" for r in s.rounds),
         "tokens_per_s": s.tokens_per_s,
         "prefill_s": s.prefill_s,
         "decode_s": max(0.0, s.wall_s - s.prefill_s),

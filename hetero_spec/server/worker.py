@@ -1,7 +1,12 @@
-"""The one thread that owns the model: takes jobs in FIFO order and runs each through HeteroSpec.
+"""The one thread that owns the model: loads it, takes jobs in FIFO order, runs each through HeteroSpec, closes it.
 
 Generation runs here, off the event loop, so the loop keeps accepting, queueing and
-rejecting requests while a sequence decodes.  Every token goes through ``HeteroSpec.chat``
+rejecting requests while a sequence decodes.  The model is also *built* here, never on
+the thread that starts the server: llama.cpp's CPU backend runs its matmuls in an OpenMP
+parallel region, and libgomp keeps one thread team per calling thread.  A context first
+decoded from one thread (a calibration, a draft's int8 check) and then from another left
+two teams of busy-waiting workers on the same cores: with 2 threads on a 2-core machine the
+server decoded at a third of ``hetero-spec run``'s speed (docs/server.md).  Every token goes through ``HeteroSpec.chat``
 or ``HeteroSpec.generate``; the conversation cache inside HeteroSpec is what lets a
 conversation's next turn reuse its prefix.  The job's ``cancelled`` flag is handed to the
 API, which checks it after every round.
@@ -13,7 +18,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from ..config import ConfigError, SamplingConfig
 from ..errors import ContextFull, HeteroSpecError
@@ -44,24 +49,65 @@ class Work:
     stream: bool
 
 
-class Worker:
-    """Decodes queued jobs one at a time on a daemon thread; ``stop`` ends it after the current round."""
+class LoadFailed(HeteroSpecError):
+    """The model could not be built on the worker thread; the message is the cause, in one line."""
 
-    def __init__(self, hs, queue: RequestQueue, metrics: Metrics, options: dict) -> None:
-        self.hs = hs
+
+class Worker:
+    """Builds the model with ``load`` on a daemon thread, decodes queued jobs there one at a time, and
+    closes the model when the queue closes; ``stop`` ends it after the current round.
+
+    ``load`` is called on the worker thread (see the module docstring for why); ``wait_ready``
+    blocks until it returned and re-raises its failure as ``LoadFailed``."""
+
+    def __init__(self, load: Callable[[], Any], queue: RequestQueue, metrics: Metrics, options: dict) -> None:
+        self._load = load
+        self.hs: Any = None  # the HeteroSpec, once loaded; used only from the worker thread
         self.queue = queue
         self.metrics = metrics
         self.options = options  # drafting options from the server config (EngineConfig.generate_options)
         self._service_s = 1.0  # running mean of a request's time on the model, for Retry-After
-        self._thread = threading.Thread(target=self._loop, name="hetero-spec-worker", daemon=True)
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._life, name="hetero-spec-worker", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start loading (idempotent: the launcher starts it before uvicorn, the app's lifespan again)."""
+        if not self._thread.is_alive() and not self._ready.is_set():
+            self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded; ``LoadFailed`` if loading failed or took longer than ``timeout``."""
+        if not self._ready.wait(timeout):
+            raise LoadFailed(f"the model did not load within {timeout:g} s")
+        if self._load_error is not None:
+            err = self._load_error
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise LoadFailed(detail if isinstance(err, HeteroSpecError) else f"loading the model failed: {detail}")
 
     def stop(self, timeout: float = 10.0) -> None:
         for job in self.queue.close():
             job.post(Failed(APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _life(self) -> None:
+        """Load, serve until the queue closes, close: every llama.cpp call of the model on this one thread."""
+        try:
+            hs = self._load()
+        except BaseException as exc:  # reported by wait_ready, on the thread that waits
+            self._load_error = exc
+            log.debug("loading the model failed", exc_info=True)
+            self._ready.set()
+            return
+        self.hs = hs
+        self._ready.set()
+        try:
+            self._loop()
+        finally:
+            close = getattr(hs, "close", None)
+            if close is not None:
+                close()
 
     def retry_after(self) -> int:
         """Seconds until what waits now has likely been served (whole seconds, as Retry-After wants),

@@ -20,6 +20,7 @@ from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint
 from . import _ffi
 from ..errors import ContextFull, TargetError
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
+from .vocabulary import Vocabulary
 
 
 def default_threads() -> int:
@@ -97,7 +98,7 @@ def kv_type_id(name: str, model=None) -> int:
     return getattr(C, f"GGML_TYPE_{name.upper()}")
 
 
-class LlamaTarget(Owners):
+class LlamaTarget(Vocabulary, Owners):
     """Prefill / verify / rollback over one llama.cpp sequence.
 
     >>> t = LlamaTarget("SmolLM2.gguf")
@@ -150,7 +151,6 @@ class LlamaTarget(Owners):
         self._one = (C.llama_token * 1)()  # the token of a one-row decode
         self.tokens: list[int] = []  # the token ids whose cells are in the KV cache, in order
         self.trash_cells = 0  # rejected tree cells parked in TRASH_SEQ
-        self._pieces: dict[int, bytes] = {}
         # NumPy views of llama.cpp's logits buffer per row count, kept while the buffer stays where it is
         # (llama.cpp moves it only when a decode needs more outputs than it holds): a new view per decode
         # cost five Python calls, about 10 us of a plain round on SmolLM2 Q4_0 after the decode.
@@ -172,50 +172,6 @@ class LlamaTarget(Owners):
         if m.meta(f"{arch}.attention.causal") == "false" or m.meta(f"{arch}.pooling_type") not in (None, "0"):
             return False
         return True
-
-    # ---------------------------------------------------------------- vocabulary
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (C.llama_token * cap)()
-        n = C.llama_tokenize(self._model.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:  # buffer too small: llama.cpp returns the negated size it needs
-            cap = -n
-            buf = (C.llama_token * cap)()
-            n = C.llama_tokenize(self._model.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            raise TargetError("tokenization failed")
-        return list(buf[:n])
-
-    def piece(self, token: int) -> bytes:
-        """The bytes of one token as it appears in generated text (special tokens rendered)."""
-        cached = self._pieces.get(token)
-        if cached is None:
-            buf = ctypes.create_string_buffer(256)
-            n = C.llama_token_to_piece(self._model.vocab, token, buf, len(buf), 0, False)
-            cached = buf.raw[: max(n, 0)]
-            self._pieces[token] = cached
-        return cached
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
-
-    def token_text(self, token: int) -> str:
-        return C.llama_vocab_get_text(self._model.vocab, token).decode("utf-8", errors="replace")
-
-    @property
-    def bos_token(self) -> str:
-        tid = C.llama_vocab_bos(self._model.vocab)
-        return self.token_text(tid) if tid >= 0 else ""
-
-    @property
-    def eos_token(self) -> str:
-        tid = C.llama_vocab_eos(self._model.vocab)
-        return self.token_text(tid) if tid >= 0 else ""
-
-    @property
-    def chat_template(self) -> str | None:
-        return self._model.meta("tokenizer.chat_template")
 
     @property
     def fingerprint(self) -> TargetFingerprint:

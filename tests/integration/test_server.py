@@ -377,6 +377,24 @@ def test_client_killed_mid_stream_cancels_its_generation(server, http):
     assert metric(http, 'hetero_spec_requests_total{endpoint="/v1/completions",status="499"}') >= 1
 
 
+def test_serve_without_a_draft_copies_from_the_text_and_stays_exact(model_path):
+    """No DRAFT and no --no-draft: auto drafts from the suffix structure over the prompt and the answer,
+    and the greedy text is still plain decoding's."""
+    prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
+    srv = ServerProcess(model_path, "-t", 1, "--ctx", CTX)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
+            resp = c.post("/v1/chat/completions", json=chat_body(prompt, max_tokens=48))
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        expected = cli_run(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "-p", prompt, "-n", 48)
+        assert body["choices"][0]["message"]["content"] + "\n" == expected
+        stats = body["hetero_spec"]
+        assert stats["suffix_rounds"] > 0 and stats["accepted_tokens"] > 0
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.lines[-20:])
+
+
 @pytest.fixture(scope="module")
 def tight_server(model_path):
     srv = ServerProcess(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "--max-queue", 1, "--queue-timeout", 2)
@@ -429,6 +447,17 @@ def test_server_with_draft_equals_plain(model_path, client, model_id):
     assert 0 <= stats["accepted_tokens"] <= stats["drafted_tokens"] and stats["mean_accepted_length"] >= 1.0
 
 
+def test_model_that_cannot_load_is_one_line_and_a_nonzero_exit(tmp_path):
+    """The model loads on the worker thread; its failure still reaches the CLI as one line, before any bind."""
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    proc = subprocess.run([*CLI, "serve", bad, "--port", "0", "-t", "1"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "broken.gguf" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "listening on" not in proc.stderr
+
+
 def test_non_loopback_host_warns(model_path):
     # 192.0.2.1 (TEST-NET-1) is nobody's address: the warning comes, then the bind fails; nothing is exposed
     proc = subprocess.run([*CLI, "serve", model_path, "--host", "192.0.2.1", "--port", "0", "-t", "1"],
@@ -447,16 +476,25 @@ def inproc(model_path):
     from hetero_spec.server.launch import ListeningServer, uvicorn_config
 
     config = ServerConfig(model_id="inproc", port=0)
-    with HeteroSpec(model_path, n_ctx=512, threads=1) as hs:
-        srv = ListeningServer(uvicorn_config(create_app(hs, config), config))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        assert srv.ready.wait(STARTUP_S), "in-process server did not start"
-        with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=CALL_S) as c:
-            yield hs, c
-        srv.should_exit = True
-        thread.join(CALL_S)
-        assert not thread.is_alive()
+    loaded_on: list[str] = []
+
+    def load():
+        loaded_on.append(threading.current_thread().name)
+        return HeteroSpec(model_path, n_ctx=512, threads=1)
+
+    app = create_app(load, config)
+    srv = ListeningServer(uvicorn_config(app, config))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    assert srv.ready.wait(STARTUP_S), "in-process server did not start"
+    worker = app.state.worker
+    assert loaded_on == ["hetero-spec-worker"]  # built on the thread that decodes, not here nor on uvicorn's
+    with httpx.Client(base_url=f"http://127.0.0.1:{srv.port}", timeout=CALL_S) as c:
+        yield worker.hs, c
+    srv.should_exit = True
+    thread.join(CALL_S)
+    assert not thread.is_alive()
+    assert not worker.alive  # the lifespan stopped the worker, which closed the model on its own thread
 
 
 def _within(seconds: float, condition) -> bool:
@@ -542,3 +580,112 @@ def test_cancel_hook_stops_the_generation_within_one_round(inproc):
             seen = len(stream.tokens)
             flag.set()
     assert seen > 0 and len(stream.tokens) == seen and stream.stats.stop_reason == "cancelled"
+
+
+# ------------------------------------------------------------------ --parallel: slots in the batched engine
+SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def slot_server(model_path):
+    srv = ServerProcess(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "--api-key", KEY, "--parallel", SLOTS,
+                        "--max-queue", 12, "--queue-timeout", 120)
+    yield srv
+    assert srv.stop() == 0, "\n".join(srv.lines[-20:])
+
+
+@pytest.fixture(scope="module")
+def slot_http(slot_server):
+    with httpx.Client(base_url=slot_server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CALL_S) as c:
+        yield c
+
+
+def _ask(client, model_id: str, kind: str, prompt: str, n: int, stream: bool) -> tuple[str, int]:
+    """(text, completion tokens) of one greedy request through the openai client."""
+    if kind == "chat":
+        call = dict(model=model_id, messages=[{"role": "user", "content": prompt}], max_tokens=n, temperature=0)
+        if not stream:
+            r = client.chat.completions.create(**call)
+            return r.choices[0].message.content, r.usage.completion_tokens
+        chunks = list(client.chat.completions.create(**call, stream=True, stream_options={"include_usage": True}))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+    r = client.completions.create(model=model_id, prompt=prompt, max_tokens=n, temperature=0, stream=stream,
+                                  **({"stream_options": {"include_usage": True}} if stream else {}))
+    if not stream:
+        return r.choices[0].text, r.usage.completion_tokens
+    chunks = list(r)
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+
+def test_parallel_greedy_equals_served_alone_at_any_concurrency(client, model_id, slot_server):
+    """Every greedy answer from the slots equals the single-sequence server's, bit for bit, with 12 requests
+    (chat and text, streamed and not, long and short) arriving at once into 3 slots."""
+    cases = [("chat", p, 24) for p in PROMPTS] + [("text", LONG_PROMPT, 40), ("text", "The capital of France is", 8),
+                                                   ("chat", "Describe the sea in two sentences.", 40)]
+    alone = {c: _ask(client, model_id, *c, stream=False) for c in cases}
+    slots = openai.OpenAI(base_url=slot_server.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_S)
+    jobs = [(c, i % 2 == 1) for i, c in enumerate(cases + cases[:4])]  # 12: as many as 3 slots + 12 waiting hold
+    start = threading.Barrier(len(jobs))
+
+    def one(case, stream):
+        start.wait(CALL_S)
+        return _ask(slots, model_id, *case, stream=stream)
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = [f.result(timeout=300) for f in [pool.submit(one, c, s) for c, s in jobs]]
+    for (case, stream), out in zip(jobs, got):
+        assert out == alone[case], (case, stream)
+
+
+def test_parallel_health_lists_slots_and_metrics_show_steps(slot_http):
+    health = slot_http.get("/health").json()
+    assert health["status"] == "ok" and health["busy"] is False and health["queue_depth"] == 0
+    assert health["slots"] == [{"id": i, "state": "idle"} for i in range(SLOTS)]
+    assert slot_http.post("/v1/chat/completions", json=chat_body(max_tokens=6)).status_code == 200
+    assert metric(slot_http, "hetero_spec_slots") == SLOTS
+    assert metric(slot_http, "hetero_spec_slot_occupancy") == 0
+    steps = metric(slot_http, "hetero_spec_decode_steps_total")
+    assert steps > 0 and metric(slot_http, "hetero_spec_step_rows_count") == steps
+    assert metric(slot_http, 'hetero_spec_rows_total{kind="plain"}') > 0
+    assert metric(slot_http, 'hetero_spec_rows_total{kind="prompt"}') > 0
+    assert metric(slot_http, 'hetero_spec_rows_total{kind="draft"}') == 0  # no draft rows in the engine yet
+
+
+def test_parallel_client_killed_mid_stream_frees_its_slot(slot_server, slot_http):
+    client = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, slot_server.url, KEY, LONG_PROMPT,
+                               str(LONG_TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        rid = client.stdout.readline().strip()
+        assert client.stdout.readline().strip() == "FIRST"
+    finally:
+        client.kill()
+        client.wait(30)
+    line = slot_server.request_line(rid, timeout=30)
+    m = re.search(r" 499 tokens=\d+\+(\d+) stop=cancelled ", line)
+    assert m and 0 < int(m.group(1)) < LONG_TOKENS // 4, line
+    assert all(s["state"] == "idle" for s in slot_http.get("/health").json()["slots"])
+    assert metric(slot_http, "hetero_spec_busy") == 0
+
+
+def test_parallel_fifty_clients_bounded_queue(slot_server, slot_http):
+    """More clients than slots + queue: refusals are JSON 429s, every request is served in the end, and the
+    answers are the ones served alone."""
+    reference = {p: slot_http.post("/v1/chat/completions", json=chat_body(p, max_tokens=8)).json() for p in PROMPTS}
+    start = threading.Barrier(CONCURRENT)
+    bodies = [chat_body(PROMPTS[i % len(PROMPTS)], max_tokens=8) for i in range(CONCURRENT)]
+    with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
+        results = [f.result(timeout=600) for f in
+                   [pool.submit(_client_with_retries, slot_server.url, b, start) for b in bodies]]
+    for body, (statuses, out) in zip(bodies, results):
+        assert statuses[-1] == 200 and set(statuses[:-1]) <= {429}, statuses
+        expected = reference[body["messages"][0]["content"]]
+        assert out["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+    assert any(429 in s for s, _ in results)
+    assert metric(slot_http, "hetero_spec_queue_depth") == 0 and metric(slot_http, "hetero_spec_busy") == 0
+
+
+def test_parallel_with_a_draft_is_refused_in_one_line(model_path):
+    proc = subprocess.run([*CLI, "serve", model_path, DRAFT, "--parallel", "2", "--port", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: --parallel > 1 decodes plainly"), proc.stderr

@@ -1,0 +1,17 @@
+"""One batched engine for many sequences: slots in one llama.cpp context, one ``llama_decode`` per step.
+
+    slots.py      Slot: one request's sequence (its llama.cpp seq id, prompt, answer, sampling state)
+    scheduler.py  FIFO admission with a bound, and which rows each slot gets this step (chunked prefill)
+    step.py       Engine: one step = build the rows -> one llama_decode -> accept each slot's tokens
+
+Today the engine runs plain rows, prompt chunks and prompt-lookup draft rows (greedy requests; no
+draft-model rows yet); every greedy answer equals the same prompt decoded alone (tested), whatever
+else shares the steps.
+"""
+from __future__ import annotations
+
+from .scheduler import QueueFull, Scheduler
+from .slots import Request, Slot
+from .step import Drafting, Engine, StepRecord
+
+__all__ = ["Drafting", "Engine", "QueueFull", "Request", "Scheduler", "Slot", "StepRecord"]

@@ -1,0 +1,292 @@
+"""``serve --parallel N``: one thread drives the batched engine, N requests decoding in the same steps.
+
+Like ``worker.Worker`` (same interface: start, wait_ready, stop, retry_after, alive), but instead of
+one request at a time through ``HeteroSpec`` it keeps up to N requests in the slots of one
+``hetero_spec.engine.Engine``: each step is one ``llama_decode`` holding every active slot's rows.
+The model is loaded, used and closed on this thread (``worker.py`` says why).
+
+Plain rows and, for greedy requests behind long matches, prompt-lookup draft rows; no draft model
+in the steps yet.  Greedy answers equal
+the same request served alone, bit for bit (tests/integration/test_engine.py checks the logits;
+tests/integration/test_server.py the texts through the server).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..chat_template import render_chat
+from ..engine import Drafting, Engine, Request, StepRecord
+from ..errors import HeteroSpecError
+from ..records import Round, RunStats
+from ..target.sequences import SequenceTarget
+from ..text_stream import TextAssembler
+from .errors import APIError, internal_error
+from .events import Delta, Failed, Finished, Started
+from .metrics import Metrics
+from .queue import Job, RequestQueue
+from .worker import FINISH_REASONS, STREAM_FLUSH_S, LoadFailed, Work
+
+log = logging.getLogger("hetero_spec.server")
+LOOKUP_DEPTH = 4  # longest prompt-lookup chain a slot verifies in a step (as auto's, api.AUTO_LOOKUP_DEPTH)
+
+
+@dataclass(eq=False)
+class Live:
+    """A request in a slot: its job, the engine request, and what the handler has been sent."""
+
+    job: Job
+    request: Request
+    text: TextAssembler
+    stats: RunStats
+    opened_at: float
+    pieces: list[str] = field(default_factory=list)
+    unsent: int = 0  # pieces[-unsent:] not streamed yet
+    last_post: float = 0.0
+    seen: int = 0  # request.out[:seen] already turned into text
+    drafted: int = 0  # request.drafted / accepted when last seen: a Round per step from the difference
+    accepted: int = 0
+    ttft: float | None = None
+    stop_reason: str | None = None  # set here when a stop string ends it (the engine says "cancelled")
+
+
+class SlotWorker:
+    """Decodes up to ``n_slots`` queued jobs together on a daemon thread through one ``Engine``."""
+
+    def __init__(self, load: Callable[[], SequenceTarget], queue: RequestQueue, metrics: Metrics,
+                 n_slots: int, drafting: Drafting = Drafting()) -> None:
+        self._load = load
+        self.drafting = drafting
+        self.queue = queue
+        self.metrics = metrics
+        self.n_slots = n_slots
+        self.engine: Engine | None = None
+        self._live: dict[int, Live] = {}  # by id(request)
+        self._service_s = 1.0  # running mean of a request's time in a slot, for Retry-After
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._life, name="hetero-spec-worker", daemon=True)
+
+    # ---------------------------------------------------------------- life (as Worker)
+    def start(self) -> None:
+        if not self._thread.is_alive() and not self._ready.is_set():
+            self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout):
+            raise LoadFailed(f"the model did not load within {timeout:g} s")
+        if self._load_error is not None:
+            err = self._load_error
+            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise LoadFailed(detail if isinstance(err, HeteroSpecError) else f"loading the model failed: {detail}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for job in self.queue.close():
+            job.post(Failed(APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def retry_after(self) -> int:
+        waves = (self.queue.depth + 1) / self.n_slots
+        return min(60, max(1, math.ceil(self._service_s * waves)))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def slots(self) -> list[dict]:
+        """Each slot's state for /health: idle, prefill or generating, with its request's token counts."""
+        out = []
+        engine = self.engine
+        for slot in (engine.scheduler.slots if engine is not None else []):
+            req = slot.request
+            state = "idle" if req is None else "prefill" if slot.prefilling else "generating"
+            entry = {"id": slot.seq, "state": state}
+            if req is not None:
+                entry.update(prompt_tokens=len(req.prompt), generated_tokens=len(req.out))
+            out.append(entry)
+        return out
+
+    def _life(self) -> None:
+        try:
+            target = self._load()
+        except BaseException as exc:
+            self._load_error = exc
+            self._ready.set()
+            return
+        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
+        self._ready.set()
+        try:
+            self._loop()
+        finally:
+            target.close()
+
+    # ---------------------------------------------------------------- the step loop
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            self._admit(block=engine.idle)
+            if engine.idle:
+                if self.queue.closed:
+                    return
+                continue
+            for live in self._live.values():
+                if live.job.cancelled.is_set():
+                    live.request.cancelled = True
+            try:
+                record, finished = engine.step()
+            except Exception:
+                log.exception("engine step failed")
+                self._fail_all()
+                continue
+            if record is not None:
+                self._observe(record)
+            self._release_text(finished)
+            for request in finished:
+                self._finish(self._live.pop(id(request)))
+
+    def _admit(self, block: bool) -> None:
+        """Move queued jobs into free slots (blocking for the first one only when nothing runs)."""
+        engine = self.engine
+        while len(self._live) < self.n_slots:
+            job = self.queue.take(block=block and not self._live)
+            if job is None:
+                return
+            self.metrics.queue_wait.observe(job.queue_s)
+            try:
+                self._open(job)
+            except APIError as err:
+                self._refuse(job, err)
+            except HeteroSpecError as err:
+                self._refuse(job, APIError(400, str(err)))
+            except Exception:
+                log.exception("request %s: opening failed", job.request_id)
+                self._refuse(job, internal_error())
+            block = False
+
+    def _refuse(self, job: Job, err: APIError) -> None:
+        self.queue.done(job)
+        job.post(Failed(err))
+
+    def _open(self, job: Job) -> None:
+        """Tokenize and check the work, tell the handler it started, and put it in the engine."""
+        work: Work = job.spec
+        if job.cancelled.is_set():
+            raise APIError(499, "The client closed the request.", code="client_closed")
+        target = self.engine.target
+        tokens = prompt_tokens(target, work)
+        n_ctx = target.n_ctx
+        if len(tokens) >= n_ctx or (work.max_tokens is not None and len(tokens) + work.max_tokens > n_ctx):
+            raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                                f"{len(tokens) + (work.max_tokens or 0)} tokens ({len(tokens)} in the prompt, "
+                                f"{work.max_tokens or 0} for the completion). Please reduce the prompt or the "
+                                f"completion length.", param="max_tokens" if work.max_tokens else "messages",
+                           code="context_length_exceeded")
+        request = Request(tokens, work.max_tokens or n_ctx, sampling=work.sampling, tag=job)
+        live = Live(job, request, TextAssembler(target.piece, work.stop), RunStats(prompt_tokens=len(tokens)),
+                    time.perf_counter())
+        self.engine.submit(request)
+        self._live[id(request)] = live
+        job.post(Started(len(tokens)))
+
+    def _release_text(self, finished: list[Request]) -> None:
+        """New tokens of every live request become text; stop strings end their request."""
+        now = time.perf_counter()
+        target = self.engine.target
+        for live in self._live.values():
+            req = live.request
+            new = req.out[live.seen:]
+            if not new:
+                continue
+            first = live.seen == 0  # the prefill's token, then one round per step (the bonus counted)
+            if first:
+                live.stats.prefill_s = now - live.opened_at
+            if len(new) > first:
+                live.stats.observe(Round(req.drafted - live.drafted, req.accepted - live.accepted, len(new) - first,
+                                         0.0, 0.0, 0.0, 0, 0, source="lookup" if req.drafted > live.drafted else "draft"))
+            live.drafted, live.accepted = req.drafted, req.accepted
+            live.seen = len(req.out)
+            live.stats.new_tokens = len(req.out)
+            live.stats.wall_s = now - live.opened_at
+            piece = live.text.feed([t for t in new if not target.is_eog(t)])
+            if piece:
+                live.ttft = live.ttft if live.ttft is not None else now - live.job.submitted_at
+                self._push(live, piece, now)
+            if live.text.stopped and not req.done:
+                live.stop_reason = "stop_string"
+                req.cancelled = True  # the engine frees the slot at the start of the next step
+
+    def _push(self, live: Live, piece: str, now: float) -> None:
+        live.pieces.append(piece)
+        live.unsent += 1
+        if live.job.spec.stream and now - live.last_post >= STREAM_FLUSH_S:
+            live.job.post(Delta("".join(live.pieces[-live.unsent:])))
+            live.unsent, live.last_post = 0, now
+
+    def _finish(self, live: Live) -> None:
+        req, job = live.request, live.job
+        tail = live.text.finish()
+        if tail:
+            live.pieces.append(tail)
+            live.unsent += 1
+        if job.spec.stream and live.unsent:
+            job.post(Delta("".join(live.pieces[-live.unsent:])))
+        stats = live.stats
+        stats.stop_reason = live.stop_reason or req.stop_reason or ""
+        if live.stop_reason and req.stop_reason == "cancelled":
+            req.stop_reason = live.stop_reason
+        stats.wall_s = time.perf_counter() - live.opened_at
+        ttft = live.ttft if live.ttft is not None else time.perf_counter() - job.submitted_at
+        self.metrics.ttft.observe(ttft)
+        self.metrics.observe_generation(stats)
+        self.queue.done(job)
+        self._service_s = 0.8 * self._service_s + 0.2 * (time.perf_counter() - (job.started_at or live.opened_at))
+        job.post(Finished("".join(live.pieces), stats.prompt_tokens, len(req.out),
+                          FINISH_REASONS.get(stats.stop_reason), stats, job.queue_s, ttft))
+
+    def _observe(self, record: StepRecord) -> None:
+        m = self.metrics
+        m.step_rows.observe(record.rows)
+        m.rows.labels("prompt").inc(record.prompt_rows)
+        m.rows.labels("plain").inc(record.plain_rows)
+        m.rows.labels("draft").inc(record.draft_rows)
+        m.decode_steps.inc()
+
+    def _fail_all(self) -> None:
+        """After an unexpected failure of a step: every live request gets a 500 and every slot starts cold."""
+        for live in self._live.values():
+            self.queue.done(live.job)
+            live.job.post(Failed(internal_error()))
+        self._live.clear()
+        target = self.engine.target
+        for slot in self.engine.scheduler.slots:
+            target.clear(slot.seq)
+        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
+
+
+def prompt_tokens(target, work: Work) -> list[int]:
+    """The prompt ids of ``work`` as ``HeteroSpec`` makes them: a chat through the GGUF's template (its
+    special tokens parsed, no extra BOS), a text with BOS, token ids as given."""
+    if work.kind == "chat":
+        messages = work.prompt
+        if not messages or not str(messages[-1].get("content", "")).strip():
+            raise HeteroSpecError("empty prompt")
+        text = render_chat(target.chat_template, messages, bos_token=target.bos_token, eos_token=target.eos_token)
+        tokens = target.tokenize(text, add_special=False, parse_special=True)
+    elif isinstance(work.prompt, str):
+        if not work.prompt.strip():
+            raise HeteroSpecError("empty prompt")
+        tokens = target.tokenize(work.prompt, add_special=True, parse_special=True)
+    else:
+        bad = [t for t in work.prompt if not 0 <= t < target.n_vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary of {target.n_vocab}", param="prompt",
+                           code="invalid_value")
+        tokens = [int(t) for t in work.prompt]
+    if not tokens:
+        raise HeteroSpecError("empty prompt")
+    return tokens

@@ -1,0 +1,117 @@
+"""Several llama.cpp sequences in one context: the target side of the batched engine (``hetero_spec/engine``).
+
+WHY one context with a sequence per slot: a ``llama_decode`` reads the weights once for every row
+it holds, whichever sequence a row belongs to, so N users' next tokens cost about one user's on a
+bandwidth-bound CPU.  Each sequence has its own bounded KV memory (``seq_ctx`` cells).
+
+Exactness: a row's logits here must equal those of the same tokens decoded alone in
+``LlamaTarget`` (one sequence), bit for bit, or a greedy answer would depend on who else is
+being served.  What makes that hold (tested in ``tests/integration/test_engine.py``):
+
+- at most ``BATCH_INVARIANT_ROWS`` rows per decode (llama.cpp's matmul kernels change above);
+- quantized KV cells (q8_0): F16 cells let the CPU flash attention split a one-row decode
+  across threads, a different summation order;
+- a KV stream per sequence (``kv_unified=False``, the default): a sequence's cells then sit in
+  position order in its own stream, whatever the other sequences did.  Measured: one unified cache
+  is exact while no sequence is reused, and drifts by up to 0.94 once a cleared sequence's cells are
+  refilled (newer tokens in cells before older ones; attention sums in cell order).  It is faster
+  (a 4-row step 15.8 ms against 23.5 ms on SmolLM2, 2 threads), so worth making exact later.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import DEFAULT_KV_TYPE
+from ..errors import TargetError
+from . import _ffi
+from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
+from .llama_target import BATCH_INVARIANT_ROWS, default_threads, kv_type_id
+from .vocabulary import Vocabulary
+
+
+@dataclass(frozen=True)
+class SequenceOptions:
+    n_seq: int = 4  # sequences (server slots) in the context
+    seq_ctx: int = 4096  # KV cells each sequence may hold: prompt + answer
+    n_threads: int = 0  # 0 = every core
+    kv_type: str = DEFAULT_KV_TYPE
+    kv_unified: bool = False  # one KV stream shared by all sequences (see the module docstring)
+    max_rows: int = BATCH_INVARIANT_ROWS  # rows per llama_decode
+
+    def __post_init__(self) -> None:
+        if self.n_seq < 1 or self.seq_ctx < 16 or not 1 <= self.max_rows <= BATCH_INVARIANT_ROWS:
+            raise TargetError(f"need n_seq >= 1, seq_ctx >= 16 and 1 <= max_rows <= {BATCH_INVARIANT_ROWS}, "
+                              f"not {self.n_seq}, {self.seq_ctx}, {self.max_rows}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a decode: ``token`` at ``pos`` in sequence ``seq``; ``output``: return its logits."""
+
+    seq: int
+    token: int
+    pos: int
+    output: bool
+
+
+class SequenceTarget(Vocabulary, Owners):
+    """A GGUF model and one context holding ``n_seq`` sequences; ``decode`` runs one batch of rows.
+
+    >>> with SequenceTarget("SmolLM2.gguf", SequenceOptions(n_seq=2)) as t:
+    ...     logits = t.decode([Row(0, 1, 0, True), Row(1, 1, 0, True)])   # [2, n_vocab] float32 view
+    """
+
+    def __init__(self, path: str | Path, options: SequenceOptions = SequenceOptions()) -> None:
+        self.path = Path(path)
+        self.options = options
+        self._model = ModelHandle(self.path)
+        try:
+            self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
+            self.n_threads = options.n_threads or default_threads()
+            self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
+                                      n_threads=self.n_threads, embeddings=False, n_seq_max=options.n_seq,
+                                      kv_unified=options.kv_unified, flash_attn=-1,
+                                      kv_type=kv_type_id(options.kv_type, self._model))
+            self._batch = BatchHandle(options.max_rows, n_seq_max=1)
+        except BaseException:
+            self.close()
+            raise
+        self.seq_ctx = options.seq_ctx
+        self.n_ctx = options.seq_ctx  # what one request may use, as LlamaTarget.n_ctx
+
+    def decode(self, rows: list[Row]) -> np.ndarray:
+        """One ``llama_decode`` of ``rows`` (at most ``max_rows``); the logits of the rows marked
+        ``output``, in row order: ``[n_output, n_vocab] float32``, a view valid until the next decode."""
+        n = len(rows)
+        b = self._batch
+        if not 0 < n <= b.capacity:
+            raise TargetError(f"a decode takes 1..{b.capacity} rows, not {n}")
+        for i, r in enumerate(rows):
+            if not 0 <= r.pos < self.seq_ctx:
+                raise TargetError(f"position {r.pos} is outside sequence {r.seq}'s {self.seq_ctx} cells")
+            b.token[i], b.pos[i], b.output[i] = r.token, r.pos, int(r.output)
+            b.seq_ids[i][0] = r.seq
+        b.n_seq_id[:n] = 1
+        b.raw.n_tokens = n
+        _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
+        n_out = sum(1 for r in rows if r.output)
+        if not n_out:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        return np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n_out, self.n_vocab))
+
+    def clear(self, seq: int) -> None:
+        """Sequence ``seq`` holds nothing afterwards (a slot handed to the next request)."""
+        if not C.llama_memory_seq_rm(self._ctx.memory, seq, -1, -1):
+            raise TargetError(f"llama_memory_seq_rm refused to clear sequence {seq}")
+
+    def keep(self, seq: int, n_keep: int) -> None:
+        """Drop sequence ``seq``'s cells at positions >= ``n_keep`` (rejected drafts, a shorter prefix)."""
+        if not C.llama_memory_seq_rm(self._ctx.memory, seq, n_keep, -1):
+            raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep} of sequence {seq}")
+
+    def pos_max(self, seq: int) -> int:
+        """Largest position sequence ``seq`` holds in llama.cpp (-1 when empty): the truth to assert against."""
+        return C.llama_memory_seq_pos_max(self._ctx.memory, seq)

@@ -1,0 +1,146 @@
+"""The batched engine on the real GGUF: several sequences in one context decode exactly as one alone.
+
+The reference is ``LlamaTarget`` (one sequence, the path ``hetero-spec run`` takes): a greedy
+answer and the logits of every answer token must be the same, bit for bit, when the prompt is
+served in a slot beside others (prompt chunks and plain rows of other sequences in the same
+``llama_decode``, slots reused by later requests).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero_spec.config import SamplingConfig
+from hetero_spec.engine import Drafting, Engine, QueueFull, Request
+from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
+
+SEQ_CTX = 256
+TEXTS = [
+    "The capital of France is",
+    "1, 2, 3, 4, 5,",
+    # longer than one 32-row chunk, so its prefill is cut and shares steps with others' plain rows
+    "The old lighthouse keeper climbed the spiral stairs every evening to light the lamp. Ships passing the "
+    "rocky coast relied on its beam to find the harbour safely. One stormy night the lamp",
+    "def fibonacci(n):\n    if n < 2:",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many",
+]
+MAX_NEW = [12, 20, 16, 6, 18]  # different lengths: slots free up at different steps and are reused
+
+
+@pytest.fixture(scope="module")
+def single(model_path):
+    with LlamaTarget(model_path, TargetOptions(n_ctx=SEQ_CTX, n_threads=1, embeddings=False)) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def prompts(single) -> list[list[int]]:
+    return [single.tokenize(text) for text in TEXTS]
+
+
+def decode_alone(t: LlamaTarget, prompt: list[int], max_new: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy through the single-sequence target: answer ids and each answer token's logits."""
+    t.reset()
+    _, logits = t.prefill(prompt)
+    out, kept = [], []
+    while True:
+        kept.append(logits.copy())
+        out.append(int(np.argmax(logits)))
+        if t.is_eog(out[-1]) or len(out) >= max_new:
+            return out, kept
+        logits = t.verify([out[-1]])[0][-1]
+
+
+@pytest.fixture(scope="module")
+def reference(single, prompts):
+    return [decode_alone(single, p, n) for p, n in zip(prompts, MAX_NEW)]
+
+
+# Measured: in one unified KV cache the answers stay exact while every request has its own slot, and drift
+# (by 0.44-0.94 here) once a freed slot's cells are refilled: a sequence's newer tokens then sit in cells
+# before its older ones, and attention sums over cells in slot order.  With a KV stream per sequence
+# they are identical.  Strict: if a llama.cpp update makes the unified cache exact too, this says so.
+UNIFIED_DRIFTS = pytest.mark.xfail(strict=True, reason="a unified KV cache is not batch-invariant across sequences")
+
+
+@pytest.mark.parametrize("kv_unified", [False, pytest.param(True, marks=UNIFIED_DRIFTS)],
+                         ids=["stream-per-sequence", "unified-kv"])
+@pytest.mark.parametrize("lookup", [0, 4], ids=["plain", "lookup"])
+def test_slots_equal_single_sequence_bit_for_bit(model_path, prompts, reference, kv_unified, lookup):
+    """With prompt-lookup rows too (behind matches of 2+ tokens, so they fire often): a verified draft row's
+    logits are those of decoding its token alone."""
+    opts = SequenceOptions(n_seq=3, seq_ctx=SEQ_CTX, n_threads=1, kv_unified=kv_unified)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=8, drafting=Drafting(lookup_depth=lookup, lookup_min_match=2))
+        requests = [Request(p, n, keep_logits=True) for p, n in zip(prompts, MAX_NEW)]
+        engine.submit(requests[0])
+        engine.submit(requests[1])
+        records = [engine.step()[0] for _ in range(3)]  # two slots generating before the others arrive
+        for r in requests[2:]:
+            engine.submit(r)
+        records += [rec for rec, _ in engine.run()]
+    assert any(rec.prompt_rows and rec.plain_rows for rec in records if rec), "no step mixed prompt and plain rows"
+    assert max(rec.active_slots for rec in records if rec) == 3
+    if lookup:  # the counting prompt repeats itself: drafts are proposed, and some accepted
+        assert sum(rec.draft_rows for rec in records if rec) > 0 and sum(r.accepted for r in requests) > 0
+    for req, (out, logits) in zip(requests, reference):
+        assert req.out == out
+        assert len(req.logits) == len(logits)
+        for step, (a, b) in enumerate(zip(req.logits, logits)):
+            assert np.array_equal(a, b), f"logits differ at answer token {step} (max {np.abs(a - b).max()})"
+
+
+def test_unified_kv_is_exact_while_no_slot_is_reused(model_path, prompts, reference):
+    """The other half of the unified-KV finding: one slot per request, staggered arrivals, no refilled cells."""
+    opts = SequenceOptions(n_seq=len(prompts), seq_ctx=SEQ_CTX, n_threads=1, kv_unified=True)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=8)
+        requests = [Request(p, n, keep_logits=True) for p, n in zip(prompts, MAX_NEW)]
+        engine.submit(requests[0])
+        engine.step()
+        for r in requests[1:]:
+            engine.submit(r)
+        for _ in engine.run():
+            pass
+    for req, (out, logits) in zip(requests, reference):
+        assert req.out == out and all(np.array_equal(a, b) for a, b in zip(req.logits, logits))
+
+
+def test_seeded_sampling_equals_itself_alone(model_path, prompts):
+    sampling = SamplingConfig(temperature=0.9, seed=1234)
+    opts = SequenceOptions(n_seq=3, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target)
+        alone = engine.generate_many([prompts[4]], 16, sampling=sampling)[0]
+        crowd = Request(prompts[4], 16, sampling=sampling)
+        engine.submit(Request(prompts[2], 16))
+        engine.submit(crowd)
+        engine.submit(Request(prompts[1], 16, sampling=SamplingConfig(temperature=0.9, seed=1)))
+        for _ in engine.run():
+            pass
+    assert crowd.out == alone and len(alone) > 1
+
+
+def test_generate_many_fifo_queue_and_cancel(model_path, prompts, reference):
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=2)
+        # more prompts than slots + queue: the batch entry feeds them in as room appears
+        answers = engine.generate_many(prompts, max(MAX_NEW))
+        assert [a[:n] for a, n in zip(answers, MAX_NEW)] == [out for out, _ in reference]
+        first, second, third, fourth = (Request(p, 50) for p in prompts[:4])
+        engine.submit(first)
+        engine.submit(second)
+        engine.step()  # both take a slot
+        engine.submit(third)
+        engine.submit(fourth)
+        with pytest.raises(QueueFull):  # two wait already
+            engine.submit(Request(prompts[4], 4))
+        first.cancelled = True
+        _, finished = engine.step()  # one step later its slot is free, and the oldest waiting request has it
+        assert finished == [first] and first.stop_reason == "cancelled"
+        assert third in [s.request for s in engine.scheduler.active] and list(engine.scheduler.waiting) == [fourth]
+        for _ in engine.run():
+            pass
+    assert second.stop_reason in ("eog", "max_tokens") and third.done and fourth.done
