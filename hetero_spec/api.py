@@ -20,6 +20,7 @@ from .errors import ContextFull, HeteroSpecError
 from .records import RunStats
 from .spec.orchestrator import generate_tokens
 from .spec.policy import AutoPolicy, FixedPolicy, Shape
+from .spec.suffix import SuffixCache
 from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 
@@ -30,6 +31,7 @@ QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the firs
 QUICK_FOCUS = (1, 2, 3, 4, 5)  # ... nine times each, not three: auto's plain-or-chain choice rests on them
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 AUTO_LOOKUP_DEPTH = 4  # longest prompt-lookup chain auto considers
+AUTO_SUFFIX_DEPTH = 8  # deepest suffix-structure tree auto considers (spec/suffix.py)
 
 
 @dataclass
@@ -75,6 +77,9 @@ class HeteroSpec:
         self.draft_path = draft
         self._curve = None  # cost curve for auto sizing, loaded or measured on first use
         self._auto: dict[tuple, AutoPolicy] = {}  # acceptance statistics persist across calls
+        # Past outputs for the suffix structure: every call's output serves the later ones (earlier turns,
+        # other prompts); bounded in tokens, oldest first out (``SuffixCache.save``/``load`` persist it).
+        self.suffix_cache = SuffixCache()
         try:
             if draft is not None:
                 self.draft = load_runner(self.target, draft, device=draft_device, dtype=draft_dtype, denoise=denoise)
@@ -120,6 +125,8 @@ class HeteroSpec:
         sampling: SamplingConfig | None = None,
         draft_p_min: float | None = None,
         lookup: bool = True,
+        suffix: bool | None = None,
+        suffix_cache: SuffixCache | None = None,
         cancel: Callable[[], bool] | None = None,
         _templated: bool = False,
     ) -> Completion | TextStream:
@@ -129,36 +136,47 @@ class HeteroSpec:
         from the machine's cost curve (measured quickly and cached on first use) and the
         running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
         depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
-        ``lookup``: with ``"auto"``, also draft by prompt lookup where that pays.  With ``stream``
+        ``lookup``: with ``"auto"``, also draft by prompt lookup where that pays.  ``suffix``: with
+        ``"auto"``, draft trees from the suffix structure over the prompt, the output and past outputs
+        (``suffix_cache``, default ``self.suffix_cache``) instead of prompt lookup; None: on without a
+        draft model (which then needs none: ``"auto"`` runs plain rounds and copies), off with one.  With ``stream``
         the result is an iterator of text pieces whose ``stats`` fill in.  ``cancel``: asked after
         every round; True ends the generation there (stop reason ``"cancelled"``, no held-back
         tail), so a server whose client left frees the model within one round.
         """
-        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft else 0, stop=tuple(stop),
+        suffix = self.draft is None if suffix is None else suffix
+        copies = draft_len == "auto" and (suffix or lookup)  # sources that need no draft model
+        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft or copies else 0, stop=tuple(stop),
                          sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup)
         tokens = self._prompt_tokens(prompt, _templated)
         stats = RunStats(prompt_tokens=len(tokens), kernels=self.target.kernels)
         ts = TextStream(iter(()), stats)
-        ts._pieces = self._run(tokens, cfg, ts, cancel)
+        cache = suffix_cache if suffix_cache is not None else self.suffix_cache
+        ts._pieces = self._run(tokens, cfg, ts, cancel, cache if suffix else None)
         if stream:
             return ts
         text = "".join(ts)
         return Completion(text, ts.tokens, stats)
 
-    def _policy(self, cfg: SpecConfig):
-        """None for the plain chain path; a fixed tree; or auto sizing over chains or trees."""
-        if self.draft is None or cfg.draft_len == 0:
+    def _policy(self, cfg: SpecConfig, suffix: bool = False):
+        """None for the plain chain path; a fixed tree; or auto sizing over chains or trees (without a
+        draft model: over the copy sources alone, prompt lookup or the suffix structure)."""
+        if cfg.draft_len == 0 or (self.draft is None and cfg.draft_len != "auto"):
             return None
         tree = cfg.tree
         if cfg.draft_len != "auto":
             return FixedPolicy(Shape(tree.depth, tree.top_k, tree.total_tokens)) if tree else None
         key = (*((tree.top_k, tree.total_tokens, tree.depth) if tree else (1, 0, AUTO_MAX_CHAIN)),
-               AUTO_LOOKUP_DEPTH if cfg.lookup else 0)
+               AUTO_LOOKUP_DEPTH if cfg.lookup and not suffix else 0, AUTO_SUFFIX_DEPTH if suffix else 0)
+        if self.draft is None:
+            key = (1, 0, 0, *key[3:])  # max_depth 0: no draft model
         if key not in self._auto:
             from .draft.checkpoint import read_held_out_acceptance
 
+            prior = read_held_out_acceptance(self.draft_path) if self.draft_path is not None else ()
             self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2],
-                                         lookup_depth=key[3], prior_alphas=read_held_out_acceptance(self.draft_path))
+                                         lookup_depth=key[3], suffix_depth=key[4], prior_alphas=prior,
+                                         suffix_nodes=self.suffix_cache.config.max_nodes)
         return self._auto[key]
 
     def cost_curve(self):
@@ -181,7 +199,8 @@ class HeteroSpec:
                 with tqdm(total=total, desc="calibrating (once)", unit="decode", leave=False, file=sys.stderr) as bar:
                     self._curve = measure(self.target, self.draft, ns=QUICK_ROWS, repeats=repeats, progress=bar.update,
                                           focus=QUICK_FOCUS, focus_repeats=focus_repeats,
-                                          model=f"{self.target.path.name} + {Path(self.draft_path).name}")
+                                          model=self.target.path.name + (f" + {Path(self.draft_path).name}"
+                                                                         if self.draft_path is not None else ""))
                 save(self._curve, path)
         return self._curve
 
@@ -200,14 +219,14 @@ class HeteroSpec:
         return tokens
 
     def _run(self, tokens: list[int], cfg: SpecConfig, ts: TextStream,
-             cancel: Callable[[], bool] | None = None) -> Iterator[str]:
+             cancel: Callable[[], bool] | None = None, suffix: SuffixCache | None = None) -> Iterator[str]:
         stats, target = ts.stats, self.target
         text = TextAssembler(target.piece, cfg.stop)
         t0 = time.perf_counter()
-        policy = self._policy(cfg)
+        policy = self._policy(cfg, suffix is not None)
         steps = generate_tokens(target, self.draft, tokens, max_new_tokens=cfg.max_new_tokens,
                                 draft_len=1 if cfg.draft_len == "auto" else cfg.draft_len,
-                                sampling=cfg.sampling, policy=policy, p_min=cfg.p_min)
+                                sampling=cfg.sampling, policy=policy, p_min=cfg.p_min, suffix=suffix)
         try:
             for step in steps:
                 if step.round is None and not stats.rounds and not ts.tokens:
@@ -299,7 +318,9 @@ def load_runner(target: LlamaTarget, path: str | Path, *, device: str, dtype: st
     if dtype.startswith("int8") or (dtype == "auto" and not str(device).startswith("cuda")):
         cached = int8_cache.load(target.path, path)
         rows = None if cached is not None else _calibration_rows(target)
-    runner = DraftRunner(model, device=device, dtype=dtype, denoise=denoise, calibration=rows, int8_calibration=cached)
+    # the draft runs while the target's threads wait: it may use as many (one shared OpenMP pool, see DraftRunner)
+    runner = DraftRunner(model, device=device, dtype=dtype, denoise=denoise, calibration=rows, int8_calibration=cached,
+                         cpu_threads=target.n_threads)
     if rows is not None and runner.int8_calibration is not None:
         int8_cache.save(target.path, path, runner.int8_calibration)
     return runner

@@ -40,6 +40,11 @@ def cli() -> None:
 @click.option("--no-draft", is_flag=True, help="plain decoding through the same code, for comparison")
 @click.option("--lookup/--no-lookup", default=True, show_default=True,
               help="with --draft-len auto, also draft by prompt lookup (repeated n-grams) where that pays")
+@click.option("--suffix/--no-suffix", default=None,
+              help="with --draft-len auto, draft trees from a suffix structure over the prompt, the output and "
+                   "earlier outputs instead of prompt lookup  [default: on without a DRAFT, off with one]")
+@click.option("--suffix-cache", type=click.Path(dir_okay=False, path_type=Path),
+              help="load earlier outputs for the suffix structure from FILE if it exists, save them there at the end")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
@@ -53,36 +58,49 @@ def cli() -> None:
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
 @click.option("--verbose", "-v", is_flag=True, help="say which llama.cpp kernels and draft device run, on stderr")
 def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tree_depth, tree_top_k, temperature,
-        top_k, top_p, min_p, seed, draft_p_min, no_draft, lookup, threads, ctx, draft_device, draft_dtype,
-        denoise, kv_type, stop, stats_json, verbose) -> None:
-    """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens."""
+        top_k, top_p, min_p, seed, draft_p_min, no_draft, lookup, suffix, suffix_cache, threads, ctx, draft_device,
+        draft_dtype, denoise, kv_type, stop, stats_json, verbose) -> None:
+    """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens; without a
+    DRAFT, auto drafts from the text itself (the suffix structure or prompt lookup)."""
     from .api import HeteroSpec
     from .config import SamplingConfig, TreeSpec, parse_draft_len
 
-    if draft is None and not no_draft:
-        raise HeteroSpecError("give a DRAFT file, or --no-draft for plain decoding")
     options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else parse_draft_len(draft_len), stop=stop,
                    tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
-                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed), lookup=lookup)
+                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed), lookup=lookup, suffix=suffix)
     with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
                     draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise), kv_type=kv_type) as hs:
-        if verbose:
-            click.echo(f"kernels: {hs.target.kernels}", err=True)
-            if hs.draft is not None:
-                click.echo(f"draft: {hs.draft.device} {hs.draft.weights}", err=True)
-        if prompt is not None:
-            _one_turn(hs, prompt, chat, options, stats_json, history=None)
-            return
-        history: list[dict[str, str]] = []
-        click.echo("interactive session: empty line or Ctrl-D to quit", err=True)
-        while True:
+        if suffix_cache is not None and suffix_cache.is_file():
             try:
-                line = input("> ")
-            except EOFError:
-                return
-            if not line.strip():
-                return
-            _one_turn(hs, line, chat, options, stats_json, history=history)
+                hs.suffix_cache.load(suffix_cache)
+            except ValueError as exc:
+                raise HeteroSpecError(str(exc)) from None
+        try:
+            _run_turns(hs, prompt, chat, options, stats_json, verbose)
+        finally:
+            if suffix_cache is not None:
+                hs.suffix_cache.save(suffix_cache)
+
+
+def _run_turns(hs, prompt: str | None, chat: bool, options: dict, stats_json: Path | None, verbose: bool) -> None:
+    """One turn with ``prompt``, else an interactive session."""
+    if verbose:
+        click.echo(f"kernels: {hs.target.kernels}", err=True)
+        if hs.draft is not None:
+            click.echo(f"draft: {hs.draft.device} {hs.draft.weights}", err=True)
+    if prompt is not None:
+        _one_turn(hs, prompt, chat, options, stats_json, history=None)
+        return
+    history: list[dict[str, str]] = []
+    click.echo("interactive session: empty line or Ctrl-D to quit", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if not line.strip():
+            return
+        _one_turn(hs, line, chat, options, stats_json, history=history)
 
 
 def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | None, history: list | None) -> None:
@@ -142,9 +160,12 @@ def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | Non
 @click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(1024),
               help="largest request body in bytes (413)")
 @click.option("--model-alias", help="model id in /v1/models and requests (default: the GGUF file name, no .gguf)")
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(1, 32),
+              help="slots: requests decoded together in one llama_decode per step (> 1: plain decoding, --ctx "
+                   "cells each)")
 def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
           ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
-          model_alias) -> None:
+          model_alias, parallel) -> None:
     """Serve MODEL (and DRAFT) over an OpenAI-compatible HTTP API (needs the [server] extra)."""
     from .config import TreeSpec, parse_draft_len
     from .server import EngineConfig, ServerConfig
@@ -152,9 +173,9 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
 
     engine = EngineConfig(model=model, draft=None if no_draft else draft, n_ctx=ctx, threads=threads,
                           draft_device=draft_device, draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise),
-                          kv_type=kv_type, draft_len=parse_draft_len(draft_len),
+                          kv_type=kv_type, draft_len=0 if no_draft else parse_draft_len(draft_len),
                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None,
-                          draft_p_min=draft_p_min, lookup=lookup)
+                          draft_p_min=draft_p_min, lookup=lookup, parallel=parallel)
     server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
                           api_key=api_key or None, max_queue=max_queue, queue_timeout=queue_timeout,
                           max_body_bytes=max_body)

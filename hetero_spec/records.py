@@ -22,7 +22,7 @@ class Round:
     overhead_s: float  # everything else: acceptance, rollback, bookkeeping
     bytes_to_target: int  # token ids sent to the target
     bytes_to_draft: int  # hidden-state rows (and their token ids) sent to the draft
-    source: str = "draft"  # where the drafts came from: "draft" (the model) or "lookup" (prompt lookup)
+    source: str = "draft"  # where the drafts came from: "draft" (the model), "lookup" (prompt lookup), "suffix"
     shadow: int = 0  # tokens a greedy probe drafted without verifying them (spec.shadow.ShadowChain)
 
 
@@ -75,6 +75,7 @@ class RunStats:
             "bytes_to_draft": self.total("bytes_to_draft"),
             "accepted_histogram": _histogram([r.accepted for r in self.rounds]),
             "lookup_rounds": sum(r.source == "lookup" for r in self.rounds),
+            "suffix_rounds": sum(r.source == "suffix" for r in self.rounds),
             "kernels": self.kernels,
         }
 

@@ -147,3 +147,21 @@ class HeteroSpecRun:
 
     def close(self) -> None:  # the HeteroSpec is shared and closed by the harness
         pass
+
+
+class SuffixRun(HeteroSpecRun):
+    """``HeteroSpecRun`` with the suffix structure and a cache of its own: the outputs of the prompts this
+    method ran before, as a server's earlier requests.  A prompt's own earlier output (a warm-up, an
+    earlier pass of ``--repeats``) is dropped before it runs, or the cache would hold its answer."""
+
+    def __init__(self, hs, **options: Any) -> None:
+        from ..spec.suffix import SuffixCache
+
+        self.cache = SuffixCache()
+        super().__init__(hs, suffix=True, suffix_cache=self.cache, **options)
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
+        from ..spec.suffix import prompt_key
+
+        self.cache.evict(prompt_key(prompt))
+        return super().run(prompt, max_new_tokens)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..errors import HeteroSpecError
-from .baselines import BenchTarget, HeteroSpecRun, LlamaCppRun, RawRun, RunResult, Runner
+from .baselines import BenchTarget, HeteroSpecRun, LlamaCppRun, RawRun, RunResult, Runner, SuffixRun
 from .llama_server import LlamaServerRun, MethodUnavailable, ServerMethod
 from .prompts import DATASETS, Dataset, load_dataset
 from .results import BenchResult, PromptRecord, round_row
@@ -96,6 +96,9 @@ for _k in range(1, 9):  # a fixed chain length each, so one interleaved run can 
 register(Method("auto", "hetero-spec --draft-len auto: draft-model or prompt-lookup chain sized per round from "
                         "the cost curve, measured round costs and acceptance",
                 lambda c: c.hetero_run(draft_len="auto"), needs_draft=True, speculative=True))
+register(Method("auto-suffix", "hetero-spec --draft-len auto --suffix: the draft model (if any) and trees from the "
+                               "suffix structure over the prompt, the output and this method's earlier outputs",
+                lambda c: c.own(SuffixRun(c.hs, draft_len="auto")), speculative=True))
 register(Method("auto-nolookup", "hetero-spec --draft-len auto --no-lookup: the draft model only",
                 lambda c: c.hetero_run(draft_len="auto", lookup=False), needs_draft=True, speculative=True))
 register(Method("tree", "hetero-spec dynamic tree of a fixed shape (--tree-tokens/-depth/-top-k)",
@@ -107,12 +110,18 @@ register(Method("auto-tree", "hetero-spec dynamic tree sized per round from the 
 # method runs llama.cpp's ngram-simple at its own defaults (a 12-token match drafts up to 48 tokens);
 # the draft methods draft --k tokens per round, like ``chain``.  --llama-args adds or overrides flags.
 LLAMA_NGRAM = ServerMethod(("--spec-type", "ngram-simple"))
+LLAMA_NGRAM_MOD = ServerMethod(("--spec-type", "ngram-mod"))
+LLAMA_NGRAM_CACHE = ServerMethod(("--spec-type", "ngram-cache"))
 LLAMA_DRAFT = ServerMethod(("--spec-type", "draft-simple"), needs="llama_draft_model")
 LLAMA_EAGLE3 = ServerMethod(("--spec-type", "draft-eagle3"), needs="eagle3_gguf")
 register(Method("llama-server", "llama-server without speculation (llama.cpp's own plain decoding)",
                 lambda c: c.llama_server_run(ServerMethod(()))))
 register(Method("llama.cpp-ngram", "llama-server --spec-type ngram-simple (n-gram lookup in the context)",
                 lambda c: c.llama_server_run(LLAMA_NGRAM)))
+register(Method("llama.cpp-ngram-mod", "llama-server --spec-type ngram-mod (a rolling n-gram hash shared across "
+                                       "requests)", lambda c: c.llama_server_run(LLAMA_NGRAM_MOD)))
+register(Method("llama.cpp-ngram-cache", "llama-server --spec-type ngram-cache (n-gram statistics of the context "
+                                         "and of earlier generations)", lambda c: c.llama_server_run(LLAMA_NGRAM_CACHE)))
 register(Method("llama.cpp-draft", "llama-server --spec-type draft-simple -md --llama-draft-model (a small draft GGUF)",
                 lambda c: c.llama_server_run(LLAMA_DRAFT)))
 register(Method("llama.cpp-eagle3", "llama-server --spec-type draft-eagle3 -md --eagle3-gguf (an EAGLE-3 draft GGUF)",
@@ -222,10 +231,11 @@ def _build_runners(ctx: BenchContext, methods: list[str]) -> tuple[dict[str, Run
     return runners, not_run
 
 
-def _prompt_ids(ctx: BenchContext, text: str, template: str = "gguf") -> list[int]:
+def _prompt_ids(ctx: BenchContext, text, template: str = "gguf") -> list[int]:
     from ..chat_template import plain_prompt
 
-    hs, turn = ctx.hs, [{"role": "user", "content": text}]
+    hs = ctx.hs
+    turn = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)  # or a conversation
     if template == "plain":  # exactly what ``run --raw -p "$(plain prompt)"`` decodes: BOS added as for raw text
         return hs.target.tokenize(plain_prompt(turn), add_special=True, parse_special=True)
     if not hs.target.chat_template:

@@ -21,13 +21,16 @@ from ..errors import HeteroSpecError
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca")
 # Shipped sets the bench runs only when named: translation and summaries of long inputs, where neither
 # the draft nor prompt lookup predicts much and auto must still hold plain decoding's speed.
-EXTRA_SETS = ("translate",)
+# grounded, multiturn, agentic: where the text repeats what came before (the input, an earlier turn, earlier
+# requests' outputs), for the suffix structure (spec/suffix.py); made by scripts/make_suffix_sets.py.
+EXTRA_SETS = ("translate", "grounded", "multiturn", "agentic")
+ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
 class Dataset:
     name: str
-    prompts: tuple[str, ...]  # first user turns
+    prompts: tuple  # first user turns (str), or conversations ending with the user's (a line's ``messages``)
 
 
 def shipped_text(name: str) -> str:
@@ -47,25 +50,41 @@ def shipped_text(name: str) -> str:
     return res.read_text(encoding="utf-8")
 
 
-def first_turns(text: str, n: int, where: str) -> list[str]:
-    """The first user turn of up to ``n`` non-empty JSONL lines; ``where`` names the source in errors."""
+def first_turns(text: str, n: int, where: str) -> list:
+    """The first user turn of up to ``n`` non-empty JSONL lines, or the line's ``messages`` (a conversation
+    whose last turn is the user's, as a tuple of {"role", "content"}); ``where`` names the source in errors."""
     prompts = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            turns = json.loads(line)["turns"]
+            row = json.loads(line)
+            if "messages" in row:
+                prompts.append(_conversation(row["messages"], f"{where}:{i}"))
+                if len(prompts) == n:
+                    break
+                continue
+            turns = row["turns"]
             first = turns[0] if isinstance(turns, list) else None
         except (ValueError, KeyError, TypeError, IndexError):
             first = None
         if not isinstance(first, str) or not first.strip():
-            raise HeteroSpecError(f"{where}:{i}: expected a JSON object with a non-empty list 'turns' of strings")
+            raise HeteroSpecError(f"{where}:{i}: expected a JSON object with a non-empty list 'turns' of strings "
+                                  "or a list 'messages'")
         prompts.append(first)
         if len(prompts) == n:
             break
     if not prompts:
         raise HeteroSpecError(f"{where} holds no prompts")
     return prompts
+
+
+def _conversation(messages, where: str) -> tuple[dict[str, str], ...]:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)
+    if not ok or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        raise HeteroSpecError(f"{where}: 'messages' must be a list of {{role, content}} ending with a user turn")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
 def load_dataset(spec: str, n: int) -> Dataset:

@@ -20,6 +20,7 @@ from .policy import LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
 from .sampling import process_logits, process_support, sample_support
 from .lookup import NgramLookup, lookup_evidence
 from .shadow import ShadowChain
+from .suffix import SuffixCache, SuffixProposal, SuffixRequest, prompt_key
 from .tree import Tree
 from .verify import greedy_accept, greedy_accept_tree, sample_accept_tree
 
@@ -135,12 +136,15 @@ class KVMismatch(RuntimeError):
 
 class Policy(Protocol):
     lookup_depth: int  # > 0: the policy takes prompt-lookup proposals of up to this many tokens
+    suffix_depth: int  # > 0: ... and suffix-structure trees up to this deep
 
-    def choose(self, lookup: int = 0, match: int = 0) -> Shape: ...
+    def choose(self, lookup: int = 0, match: int = 0, suffix: Sequence[int] = (), suffix_match: int = 0,
+               suffix_boost: Sequence[float] = (), suffix_cached: bool = False) -> Shape: ...
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None: ...
     def observe_shadow(self, source: str, p_accept: float) -> None: ...
     def observe_probe(self, drafted_depth: int, accepted: int) -> None: ...
     def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None: ...
+    def observe_suffix_chain(self, match: int, drafted_depth: int, accepted: int, cached: bool = False) -> None: ...
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None: ...
     def expects_drafting(self) -> bool: ...
     def wants_rows(self, within: int) -> bool: ...
@@ -156,16 +160,24 @@ def generate_tokens(
     sampling: SamplingConfig | None = None,
     policy: Policy | None = None,
     p_min: float = 0.0,
+    suffix: SuffixCache | None = None,
 ) -> Iterator[Step]:
-    """Speculative generation; with ``draft`` None or ``draft_len`` 0, plain decoding.
+    """Speculative generation; with ``draft`` None or ``draft_len`` 0, plain decoding (unless a policy
+    drafts from prompt lookup or the suffix structure, which need no draft model).
 
     Greedy chains of a fixed ``draft_len`` take the original chain path.  A ``policy``
     (fixed tree, or auto sizing), sampling (temperature > 0) or ``p_min`` take the tree
     path, of which a chain is the one-branch case.  With sampling the output follows the
     target's processed distribution, reproducibly for a given ``sampling.seed``.
+
+    ``suffix``: the shared cache of past outputs; with a policy whose ``suffix_depth`` > 0 the request
+    drafts from a suffix structure over its prompt, its output and that cache (``spec/suffix.py``), and
+    its output joins the cache when it ends.
     """
     sampling = sampling or SamplingConfig()
     rng = np.random.default_rng(sampling.seed)
+    if draft is None and policy is not None and (policy.lookup_depth or policy.suffix_depth):
+        draft = NO_DRAFT  # copy sources need the round loop, not a model
     speculative = draft is not None and (draft_len > 0 or policy is not None)
     target.set_embeddings(speculative)
     # A policy that does not expect to draft soon (auto with a draft that has not been paying)
@@ -174,7 +186,8 @@ def generate_tokens(
     # holes over the prompt and catches up from the first generated row.
     lazy = speculative and policy is not None and not policy.expects_drafting()
     hidden_from = len(prompt) if lazy else None
-    hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative else None, hidden_from=hidden_from)
+    hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative and draft is not NO_DRAFT else None,
+                                    hidden_from=hidden_from)
     x = _pick(logits, sampling, rng)
     left = max_new_tokens - 1
     stop = _stop_reason(target, x, left)
@@ -201,6 +214,9 @@ def generate_tokens(
     if general and policy is None:
         policy = FixedPolicy(Shape(draft_len))
     lookup = NgramLookup(list(prompt) + [x]) if general and policy.lookup_depth else None
+    sfx = SuffixRequest(prompt, suffix, key=prompt_key(prompt)) if general and policy.suffix_depth else None
+    if sfx is not None:
+        sfx.extend([x])  # the output starts with the prefill's token: it joins the cache with the rest
     shadow = ShadowChain()  # a draft probe's chain
     lookup_shadow = ShadowChain()  # a prompt-lookup proposal that no round verified
     text = _HeldText(draft)
@@ -209,7 +225,13 @@ def generate_tokens(
             if general:
                 offered, match = (lookup.propose_matched(policy.lookup_depth, longest=LOOKUP_MATCH_BUCKETS[-1])
                                   if lookup is not None else ([], 0))
-                shape = policy.choose(len(offered), match)
+                if sfx is None:
+                    shape = policy.choose(len(offered), match)
+                else:  # the suffix structure replaces prompt lookup as the copy source (it covers its proposals)
+                    tree = sfx.propose(tree=sampling.greedy, max_depth=policy.suffix_depth)
+                    shape = (policy.choose(0, 0, tree.sizes(), tree.match, tree.boost(), tree.cached) if tree else
+                             policy.choose(0, 0, (), 0))
+                    offered, match = (tree.chain, tree.match) if tree else ([], 0)
                 # greedy rounds check an offer nobody verifies through ``lookup_shadow``, not in the round
                 if shape.depth == 0 and (sampling.greedy or not offered) and not policy.wants_rows(CATCHUP_ROWS):
                     step, x = _quiet_round(target, x, pending, policy, sampling, rng, left)
@@ -217,9 +239,11 @@ def generate_tokens(
                     if shape.depth and shape.source == "draft":  # the draft may run: it needs the whole text
                         text.flush()
                     step, x, pending = _tree_round(target, draft, x, pending, policy, sampling, rng, p_min, left,
-                                                   lookup, shadow, offered, shape)
-                if offered and sampling.greedy and not lookup_shadow.guesses and _unverified(step, "lookup"):
-                    lookup_shadow.open(offered, partial(policy.observe_lookup_chain, match))
+                                                   lookup, shadow, offered, shape, tree if sfx else None)
+                source = "suffix" if sfx else "lookup"
+                if offered and sampling.greedy and not lookup_shadow.guesses and _unverified(step, source):
+                    lookup_shadow.open(offered, partial(policy.observe_suffix_chain, match, cached=tree.cached) if sfx
+                                       else partial(policy.observe_lookup_chain, match))
                 if shadow.guesses:
                     shadow.check(step.tokens)
                 if lookup_shadow.guesses:
@@ -231,6 +255,8 @@ def generate_tokens(
             text.held.extend(step.tokens)
             if lookup is not None:
                 lookup.extend(step.tokens)
+            if sfx is not None:
+                sfx.extend(step.tokens)
             if step.stop_reason:
                 text.flush()
                 shadow.close()
@@ -240,6 +266,8 @@ def generate_tokens(
                 return
     finally:
         text.flush()  # a caller that stops early still leaves the draft the whole text
+        if sfx is not None:
+            sfx.finish()  # the output (whole or cut short) serves later requests
 
 
 def _unverified(step: Step, source: str) -> bool:
@@ -285,16 +313,24 @@ def _pick_and_check(logits: np.ndarray, sampling: SamplingConfig, rng: np.random
 def _tree_round(
     target, draft, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
     rng: np.random.Generator, p_min: float, left: int, lookup: NgramLookup | None,
-    shadow: ShadowChain | None, offered: list[int], shape: Shape,
+    shadow: ShadowChain | None, offered: list[int], shape: Shape, suffix: SuffixProposal | None = None,
 ) -> tuple[Step, int, _Pending]:
     """One round of the ``shape`` the policy chose: a plain row, a prompt-lookup chain, a shadow
     probe, or a draft tree (a chain is one branch) verified in one decode, accepted, its path kept.
-    ``offered``: what prompt lookup proposed this round (the policy chose knowing its length)."""
+    ``offered``: what prompt lookup proposed this round (the policy chose knowing its length);
+    ``suffix``: the suffix structure's tree this round, where it replaces prompt lookup."""
     t0 = time.perf_counter()
     n0 = target.n_past
     room_target = target.n_ctx - n0 - 1
     if room_target < 0:
         return Step([], None, "context_full"), x, pending
+    offered_by = "suffix" if suffix is not None else "lookup"
+    if shape.source == "suffix":
+        depth = max(0, min(shape.depth, left - 1, room_target))
+        if depth and suffix is not None:
+            return _suffix_round(target, draft, x, suffix, depth, room_target, pending, policy, sampling, rng, left, t0,
+                                 chain=shape.width == 1)
+        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered, offered_by)
     if shape.source == "lookup":
         depth = max(0, min(shape.depth, len(offered), left - 1, room_target))
         if depth:
@@ -305,7 +341,7 @@ def _tree_round(
     total = max(0, min(shape.tokens, room_target, room_draft))
     m = len(pending.next_tokens)
     if depth == 0 or total == 0 or m == 0:  # m = 0: a lazy prefill gave the draft nothing to start from yet
-        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered)
+        return _undrafted_round(target, x, pending, policy, sampling, rng, left, t0, offered, offered_by)
     if shape.probe and shape.width == 1 and sampling.greedy and shadow is not None and not shadow.guesses:
         return _shadow_probe_round(target, draft, x, pending, policy, sampling, rng, left, offered, shadow,
                                    min(depth, total))
@@ -386,6 +422,79 @@ def _lookup_round(target, x: int, offered: list[int], depth: int, pending: _Pend
     return Step(emitted, rnd, stop), nxt, pending
 
 
+def _suffix_round(target, draft, x: int, prop: SuffixProposal, depth: int, room: int, pending: _Pending,
+                  policy: Policy, sampling: SamplingConfig, rng: np.random.Generator, left: int,
+                  t0: float, chain: bool = False) -> tuple[Step, int, _Pending]:
+    """The suffix structure's proposal cut at ``depth`` (at most ``room`` nodes), verified in one decode:
+    its most probable path where the policy chose a chain (``chain``: ``Shape.width`` 1), else its tree.
+    Sampled proposals are always the chain, a deterministic one (q one-hot, as for prompt lookup:
+    recursive rejection over several fixed siblings would need a q per sibling)."""
+    n0 = target.n_past
+    if chain:
+        tree = Tree.chain(x, prop.chain[: min(depth, room)])
+    else:
+        tokens, parents = prop.truncated(depth)
+        tokens[0] = x
+        if len(tokens) - 1 > room:  # parents come first, so a prefix of the nodes is still a tree
+            tokens, parents = tokens[: room + 1], parents[: room + 1]
+        tree = Tree(np.array(tokens), np.array(parents))
+
+    def one_hot(i: int) -> np.ndarray:
+        q = np.zeros(target.n_vocab, dtype=np.float64)
+        q[tree.tokens[tree.children[i][0]]] = 1.0
+        return q
+
+    path, nxt, rows, hidden, verify_s = _verify_tree(target, tree, one_hot, sampling, rng)
+    accepted = [int(t) for t in tree.tokens[path]] + [nxt]
+    if draft is NO_DRAFT:
+        pending.to_holes()
+    else:
+        pending.add(hidden, accepted)
+    _check_kv(target, n0 + len(rows))
+    # The statistics are the chain's: what the most probable path would have accepted (a sibling accepted
+    # at depth j means the chain's node there was rejected).
+    drafted = int(tree.depth.max())
+    on_chain = 0
+    while on_chain < min(len(path), len(prop.chain)) and accepted[on_chain] == prop.chain[on_chain]:
+        on_chain += 1
+    policy.observe(*(lookup_evidence(prop.chain, drafted, on_chain, nxt, sampling.greedy) if on_chain == len(path)
+                     else (drafted, on_chain)), source="suffix")
+    policy.observe_time(Shape(depth, tree.n - 1, tree.n - 1, source="suffix"), 0, time.perf_counter() - t0)
+    emitted, stop = _truncate_at_stop(target, accepted, left)
+    rnd = Round(drafted=tree.n - 1, accepted=len(path), emitted=len(emitted), draft_s=0.0, verify_s=verify_s,
+                overhead_s=time.perf_counter() - t0 - verify_s, bytes_to_target=TOKEN_BYTES * tree.n,
+                bytes_to_draft=0, source="suffix")
+    return Step(emitted, rnd, stop), nxt, pending
+
+
+class _NoDraft:
+    """The Draft protocol with no model behind it: what the loop holds when only copy sources draft
+    (prompt lookup, the suffix structure).  Its rows are never wanted, so every position is a hole."""
+
+    n = 0
+    max_positions = 1 << 30
+
+    def propose(self, features, tokens, k):
+        raise RuntimeError("no draft model")
+
+    propose_tree = propose
+
+    def rollback(self, n_keep: int) -> None:
+        pass
+
+    def skip(self, n: int) -> None:
+        pass
+
+    def prefill(self, features, tokens) -> None:
+        pass
+
+    def add_context(self, tokens) -> int:
+        return 0
+
+
+NO_DRAFT = _NoDraft()
+
+
 def _shadow_probe_round(target, draft, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
                         rng: np.random.Generator, left: int, offered: list[int], shadow: ShadowChain,
                         depth: int) -> tuple[Step, int, _Pending]:
@@ -436,14 +545,15 @@ def _quiet_round(target, x: int, pending: _Pending, policy: Policy, sampling: Sa
 
 
 def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling: SamplingConfig,
-                     rng: np.random.Generator, left: int, t0: float, offered: list[int] = ()) -> tuple[Step, int, _Pending]:
+                     rng: np.random.Generator, left: int, t0: float, offered: list[int] = (),
+                     offered_by: str = "lookup") -> tuple[Step, int, _Pending]:
     """Depth 0 inside the speculative loop: one target row; the draft catches up on it later.
 
     Unless the policy wants the row soon (``Policy.wants_rows``), the decode runs with embeddings
     off, like plain decoding, and the position and every row still pending become holes (a hole
     before them leaves them useless: the draft starts from the newest row).
 
-    ``offered``: a prompt-lookup proposal nobody verified.  Sampling: its first token is checked
+    ``offered``: a prompt-lookup (or, ``offered_by``, suffix) proposal nobody verified.  Sampling: its first token is checked
     against this row for free evidence for the lookup statistics (the probability that verification
     would have accepted it); greedy proposals are checked whole by the loop (``ShadowChain``)."""
     n0 = target.n_past
@@ -458,7 +568,7 @@ def _undrafted_round(target, x: int, pending: _Pending, policy: Policy, sampling
         pending.add(hidden[:1], [nxt])
     _check_kv(target, n0 + 1)
     if offered and not sampling.greedy:  # greedy: the loop checks the whole proposal (ShadowChain)
-        policy.observe_shadow("lookup", p_offered)
+        policy.observe_shadow(offered_by, p_offered)
     policy.observe_time(PLAIN, 0, time.perf_counter() - t0)
     emitted, stop = _truncate_at_stop(target, [nxt], left)
     rnd = Round(drafted=0, accepted=0, emitted=len(emitted), draft_s=0.0, verify_s=verify_s,

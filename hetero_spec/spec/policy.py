@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 
 class Curve(Protocol):
@@ -47,7 +47,8 @@ class Curve(Protocol):
 class Shape:
     """One round's drafting: ``depth`` levels, ``width`` nodes per level, at most ``total`` nodes.
 
-    ``source``: "draft" (the draft model) or "lookup" (prompt lookup: a chain, no draft forward)."""
+    ``source``: "draft" (the draft model), "lookup" (prompt lookup: a chain, no draft forward) or "suffix"
+    (the suffix structure, ``spec/suffix.py``: a tree of ``total`` nodes, no draft forward)."""
 
     depth: int
     width: int = 1
@@ -70,11 +71,13 @@ class FixedPolicy:
     """The same shape every round (``--draft-len N`` or a fixed tree)."""
 
     lookup_depth = 0  # never proposes from prompt lookup
+    suffix_depth = 0  # ... nor from the suffix structure
 
     def __init__(self, shape: Shape) -> None:
         self.shape = shape
 
-    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
+    def choose(self, lookup: int = 0, match: int = 0, suffix: Sequence[int] = (), suffix_match: int = 0,
+               suffix_boost: Sequence[float] = (), suffix_cached: bool = False) -> Shape:
         return self.shape
 
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
@@ -87,6 +90,9 @@ class FixedPolicy:
         pass
 
     def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None:
+        pass
+
+    def observe_suffix_chain(self, match: int, drafted_depth: int, accepted: int, cached: bool = False) -> None:
         pass
 
     def expects_drafting(self) -> bool:
@@ -157,7 +163,7 @@ def round_cost_ms(curve: Curve, shape: Shape) -> float:
     first one's switch from the target (none for lookup)."""
     if shape.depth == 0:
         return curve.verify_time_ms(1)
-    if shape.source == "lookup":
+    if shape.source in ("lookup", "suffix"):
         return curve.verify_time_ms(1 + shape.tokens)
     draft = curve.draft_step_ms + curve.draft_switch_ms
     draft += sum(curve.draft_rows_time_ms(shape.width) for _ in range(shape.depth - 1))
@@ -281,6 +287,19 @@ def lookup_bucket(match: int) -> int:
     return bisect_right(LOOKUP_MATCH_BUCKETS, match, 1) - 1
 
 
+# The suffix structure's statistics, per length of the match behind a proposal, like prompt lookup's; its
+# matches run longer (it counts back 32 tokens, and matches in past outputs often run that far).  Kept apart
+# again for proposals that come from past outputs only: on gsm8k a long match in another problem's answer
+# ("so she sold ...") continues with that problem's numbers, while in agentic replay it is the answer.
+SUFFIX_MATCH_BUCKETS = (0, 4, 8, 16)
+
+
+def suffix_bucket(match: int, cached: bool = False) -> int:
+    """The index of the statistics of a proposal behind a match of ``match`` tokens: ``SUFFIX_MATCH_BUCKETS``'
+    for the request's own text, the same again after them for past outputs alone (``cached``)."""
+    return bisect_right(SUFFIX_MATCH_BUCKETS, match, 1) - 1 + (len(SUFFIX_MATCH_BUCKETS) if cached else 0)
+
+
 class AutoPolicy:
     """Chooses each round's source and depth from the cost curve and running acceptance statistics.
 
@@ -295,12 +314,17 @@ class AutoPolicy:
     any accepted probe kept auto at 0.95x of plain decoding with a draft accepted half the
     time.  Round times come back through ``observe_time`` and correct the curve
     (``MeasuredCost``).
+
+    A third source, with ``suffix_depth`` > 0: the suffix structure's trees (``spec/suffix.py``), offered
+    per round as their node counts per depth (``choose(suffix=sizes, suffix_match=m)``), priced as
+    verification rows only, with statistics per match bucket (``SUFFIX_MATCH_BUCKETS``) and probes like
+    lookup's.  ``max_depth`` 0: there is no draft model, and the policy never drafts or probes with one.
     """
 
     def __init__(self, curve: Curve, *, width: int = 1, total: int = 0, max_depth: int = 8,
                  probe_every: int = 16, max_probe_gap: int = 128, decay: float = 0.95, draft_decay: float = 0.98,
                  min_gain: float = 1.08, lookup_depth: int = 0, prior_alphas: tuple[float, ...] = (),
-                 probe_budget: float | None = PROBE_BUDGET) -> None:
+                 probe_budget: float | None = PROBE_BUDGET, suffix_depth: int = 0, suffix_nodes: int = 12) -> None:
         self.curve, self.width, self.total, self.max_depth = curve, width, total, max_depth
         # The draft's own held-out acceptance per depth, where its file records one: a trained draft
         # starts where training left it, not at 0.5, which undervalues every depth past the first.
@@ -331,6 +355,16 @@ class AutoPolicy:
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
         self._t1_ms = curve.verify_time_ms(1)
+        # The suffix structure (``spec/suffix.py``): trees of up to ``suffix_nodes`` nodes, statistics per
+        # match bucket of the depth along the tree a round reached, and probes like lookup's.  max_depth 0
+        # means there is no draft model: the copy sources alone, and never a draft probe.
+        self.suffix_depth = suffix_depth
+        self.suffix_buckets = [AcceptanceStats(max(1, suffix_depth), decay=decay) for _ in 2 * SUFFIX_MATCH_BUCKETS]
+        self._suffix_bucket = 0
+        self._suffix_probe = Backoff(probe_every, max_probe_gap)
+        self._suffix_shadowed = False
+        self._suffix_emitted: list[tuple[int, list[float]] | None] = [None] * len(self.suffix_buckets)
+        self._verify_ms = [0.0] + [curve.verify_time_ms(n) for n in range(1, suffix_nodes + 2)] if suffix_depth else []
 
     def _best(self) -> Shape:
         # Plain rounds leave the statistics alone, so a long plain stretch pays for this search
@@ -368,6 +402,42 @@ class AutoPolicy:
                 best, best_rate = Shape(d, source="lookup"), rate
             table.append((best, best_rate))
         return table
+
+    def _best_suffix(self, sizes: Sequence[int], boost: Sequence[float] = ()) -> tuple[Shape, float]:
+        """The best depth of this round's suffix proposal, as its most probable path (a chain: Shape(d, 1, d))
+        or as its tree (``sizes[d]``: nodes of depth <= d; Shape(d, sizes[d], sizes[d])), or Shape(0) if none
+        beats plain rounds by ``min_gain``.
+
+        The statistics are the chain's (what the chain would have accepted, tree rounds included); a tree
+        is expected to reach depth j ``boost[j]`` times as often (``SuffixProposal.boost``), capped by its
+        reach one level up.  On a CPU a verified row costs a good part of a decode, so a sibling must be
+        likely to pay for its row.  Without ``boost`` the tree is priced at the chain's acceptance.  A few
+        microseconds: the reach per depth is kept per bucket until its statistics change, and the curve's
+        times are precomputed."""
+        stats, b = self.suffix_buckets[self._suffix_bucket], self._suffix_bucket
+        known = self._suffix_emitted[b]
+        if known is None or known[0] != stats.version:
+            reach = [1.0]
+            for d in range(1, self.suffix_depth + 1):
+                reach.append(reach[-1] * stats.alpha(d))
+            known = self._suffix_emitted[b] = (stats.version, reach)
+        reach, scale, verify = known[1], self.cost.scale("suffix"), self._verify_ms
+        t = lambda n: scale * (verify[n] if n < len(verify) else self.curve.verify_time_ms(n))
+        plain_rate = 1.0 / self._t1_ms
+        best, best_rate = Shape(0), plain_rate
+        chain_emitted = tree_emitted = 1.0
+        tree_reach = 1.0
+        for d in range(1, min(len(sizes), self.suffix_depth + 1)):
+            chain_emitted += reach[d]
+            tree_reach = min(tree_reach, reach[d] * (boost[d] if d < len(boost) else 1.0))
+            tree_emitted += tree_reach
+            options = [(tree_emitted / t(1 + sizes[d]), Shape(d, sizes[d], sizes[d], source="suffix"))]
+            if boost and d < len(boost) and sizes[d] > d:
+                options.append((chain_emitted / t(1 + d), Shape(d, 1, d, source="suffix")))
+            for rate, shape in options:
+                if rate > best_rate and rate >= self.min_gain * plain_rate:
+                    best, best_rate = shape, rate
+        return best, best_rate
 
     def _best_drafted(self, width: int, total: int, scale: float) -> tuple[int, float]:
         """The best drafting depth (at least 1) and its tokens per ms, with no plain-round
@@ -414,14 +484,28 @@ class AutoPolicy:
         rows at most, older ones are holes anyway).  Other plain rounds decode without embeddings,
         as plain decoding does (measured on SmolLM2 Q4_0, 2 threads: rounds with embeddings on ran at
         0.975x of the raw loop)."""
-        return self.expects_drafting() or self._draft_probe.rounds_to_due <= within
+        return self.expects_drafting() or (self.max_depth > 0 and self._draft_probe.rounds_to_due <= within)
 
-    def choose(self, lookup: int = 0, match: int = 0) -> Shape:
+    def choose(self, lookup: int = 0, match: int = 0, suffix: Sequence[int] = (), suffix_match: int = 0,
+               suffix_boost: Sequence[float] = (), suffix_cached: bool = False) -> Shape:
         """This round's shape; ``lookup``: tokens prompt lookup offers this round (0: no match);
-        ``match``: the length of the match behind them (``NgramLookup.propose_matched``)."""
+        ``match``: the length of the match behind them (``NgramLookup.propose_matched``);
+        ``suffix``: the suffix structure's tree this round, as its nodes of depth <= d for each d
+        (``SuffixProposal.sizes``; () without a proposal); ``suffix_match``: the match behind it;
+        ``suffix_boost``: ``SuffixProposal.boost``, which lets a chain of its most probable path compete;
+        ``suffix_cached``: it comes from past outputs alone (``SuffixProposal.cached``)."""
         shape = self._best()
         self._probing = ""
         self._bucket = lookup_bucket(match)
+        if len(suffix) > 1 and self.suffix_depth:
+            self._suffix_bucket = suffix_bucket(suffix_match, suffix_cached)
+            sshape, srate = self._best_suffix(suffix, suffix_boost)
+            if sshape.depth and srate > self._best_rate:
+                self._suffix_probe.reset()
+                return sshape
+            if shape.depth == 0 and not self._suffix_shadowed and self._suffix_probe.due():
+                self._probing = "suffix"
+                return Shape(1, 1, 1, source="suffix", probe=True)
         if lookup and self.lookup_depth:
             lshape, lrate = self._best_lookup(min(lookup, self.lookup_depth))
             if lshape.depth and lrate > self._best_rate:
@@ -431,7 +515,7 @@ class AutoPolicy:
                 self._probing = "lookup"
                 return Shape(1, source="lookup", probe=True)
         if shape.depth == 0:
-            if self._draft_probe.due():  # keep learning whether the draft got useful
+            if self.max_depth and self._draft_probe.due():  # keep learning whether the draft got useful
                 self._probing = "draft"
                 return Shape(self._probe_depth(), 1, probe=True)
             return shape
@@ -440,13 +524,25 @@ class AutoPolicy:
 
     def observe(self, drafted_depth: int, accepted: int, source: str = "draft") -> None:
         if drafted_depth > 0:
-            (self._round_lookup_stats if source == "lookup" else self.stats).observe(drafted_depth, accepted)
-            if source != "lookup":
+            if source == "suffix":
+                self.suffix_buckets[self._suffix_bucket].observe(drafted_depth, accepted)
+            else:
+                (self._round_lookup_stats if source == "lookup" else self.stats).observe(drafted_depth, accepted)
+            if source == "draft":
                 self._best_shape = None
         if self._probing == "draft":  # the gap grows only while drafting is clearly not worth it
             self._draft_probe.settle(self.expects_drafting() or self._near_break_even(), self._probe_gap_cap())
         elif self._probing == "lookup":
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
+        elif self._probing == "suffix":  # whether a chain as deep as allowed would pay at this match length
+            self._suffix_probe.settle(self._best_suffix(range(self.suffix_depth + 1))[0].depth > 0)
+
+    def observe_suffix_chain(self, match: int, drafted_depth: int, accepted: int, cached: bool = False) -> None:
+        """A greedy suffix proposal's most probable path, ``drafted_depth`` tokens behind a match of ``match``
+        tokens, that no round verified: the target's own tokens would have accepted ``accepted`` of them
+        (``spec.shadow.ShadowChain``).  The suffix source needs no probes while this arrives."""
+        self.suffix_buckets[suffix_bucket(match, cached)].observe(drafted_depth, accepted)
+        self._suffix_shadowed = True
 
     def observe_probe(self, drafted_depth: int, accepted: int) -> None:
         """The settled evidence of a greedy shadow probe handed out earlier (``spec.shadow.
@@ -468,6 +564,10 @@ class AutoPolicy:
         ``p_accept`` is the probability verification would have accepted it (sampled rounds; greedy
         lookup proposals are checked whole, ``observe_lookup_chain``).  Lookup needs no probes while
         this arrives."""
+        if source == "suffix":
+            self.suffix_buckets[self._suffix_bucket].observe_first(p_accept)
+            self._suffix_shadowed = True
+            return
         (self._round_lookup_stats if source == "lookup" else self.stats).observe_first(p_accept)
         if source == "lookup":
             self._lookup_shadowed = True

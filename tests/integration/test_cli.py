@@ -98,11 +98,13 @@ def test_empty_and_too_long_prompt(model_path, random_draft_path):
     assert_one_line_error(hetero("run", model_path, random_draft_path, "--ctx", "128", "-p", long), "context")
 
 
-def test_bad_options_are_one_line(model_path, random_draft_path):
+def test_bad_options_are_one_line(model_path, random_draft_path, tmp_path):
     proc = hetero("run", model_path, random_draft_path, "-p", "x", "--draft-device", "cuda:7")
     assert_one_line_error(proc, "cuda:7") if "torch sees no CUDA" in proc.stderr or "does not exist" in proc.stderr \
         else pytest.fail(proc.stderr)
-    assert_one_line_error(hetero("run", model_path, "-p", "x"), "--no-draft")
+    (tmp_path / "cache.json").write_text("[1, 2]")
+    assert_one_line_error(hetero("run", model_path, "-p", "x", "--suffix-cache", tmp_path / "cache.json"),
+                          "not a readable suffix cache")
 
 
 def test_ctrl_c_stops_cleanly_with_partial_stats(model_path, random_draft_path):

@@ -50,3 +50,28 @@ def test_pyproject_ships_every_data_file():
     files = [p.relative_to(base).as_posix() for p in (base / "data").rglob("*") if p.is_file()]
     assert {f"data/{n}.jsonl" for n in DATASETS} <= set(files) and "data/README.md" in files
     assert [f for f in files if not any(fnmatch(f, pat) for pat in patterns)] == []
+
+
+@pytest.mark.parametrize("name, kinds", [("grounded", {"summarise", "passage_qa", "edit_code"}),
+                                         ("multiturn", {"revise_list", "revise_text", "revise_code"}),
+                                         ("agentic", {"tool_call", "fill_template"})])
+def test_the_copying_sets_have_twenty_prompts_of_every_kind_and_a_documented_source(name, kinds, monkeypatch):
+    monkeypatch.delenv("HETERO_SPEC_BENCH_DIR", raising=False)
+    rows = [json.loads(line) for line in DATA.joinpath(f"{name}.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) >= 20 and {r["category"] for r in rows} == kinds
+    assert {r["category"] for r in rows[: len(kinds)]} == kinds  # the first N prompts cover every kind
+    prompts = load_dataset(name, 100).prompts
+    assert len(prompts) == len(rows)
+    if name == "multiturn":
+        assert all(p[-1]["role"] == "user" and any(m["role"] == "assistant" for m in p) for p in prompts)
+    else:
+        assert all(isinstance(p, str) and p.strip() for p in prompts)
+    line = next(ln for ln in DATA.joinpath("README.md").read_text().splitlines() if f"`{name}.jsonl`" in ln)
+    assert "Apache-2.0" in line
+
+
+def test_a_conversation_must_end_with_the_user(tmp_path):
+    path = tmp_path / "conv.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}))
+    with pytest.raises(HeteroSpecError, match="ending with a user turn"):
+        load_dataset(str(path), 5)

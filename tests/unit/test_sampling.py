@@ -144,3 +144,87 @@ def test_deterministic_proposals_keep_p():
         for _ in range(N_DRAWS):
             counts[reject_siblings(p, q, [tok], rng, residual_fn=rule)[1]] += 1
         assert (chi2_pvalue(counts, p) > 0.01) == ok
+
+
+class _TableTarget:
+    """A target whose row for a tree node is log p(. | the node's path), from hand-built tables: what
+    ``spec.orchestrator`` needs of a target to verify one round, with no model."""
+
+    n_ctx, n_embd = 1 << 20, 4
+    n_vocab = V
+
+    def __init__(self, p_at_path) -> None:
+        self.p_at_path, self.tokens = p_at_path, [0]
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def set_embeddings(self, on: bool) -> None:
+        pass
+
+    def verify_tree(self, tokens, depths, seq_ids):
+        tree_parents = self._parents
+        rows = []
+        for i in range(len(tokens)):
+            path, node = [], i
+            while node > 0:
+                path.append(int(tokens[node]))
+                node = tree_parents[node]
+            rows.append(np.log(self.p_at_path(tuple(path[::-1]))))
+        return np.array(rows, dtype=np.float32), np.zeros((len(tokens), self.n_embd), dtype=np.float32)
+
+    def keep_branch(self, seq: int, path_tokens: list[int]) -> None:
+        self.tokens.extend(path_tokens)
+
+    def kv_pos_max(self) -> int:
+        return len(self.tokens) - 1
+
+    def is_eog(self, token: int) -> bool:
+        return False
+
+
+def suffix_chain_joint(sample_accept, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Joint law of the first two tokens a sampled round emits when the suffix structure proposes a
+    two-token chain (its most probable path: a deterministic proposal), through the round loop's own
+    suffix round; a round that emits one token is followed by a plain draw, as the next round would."""
+    import hetero_spec.spec.orchestrator as orch
+    from hetero_spec.spec.policy import FixedPolicy, Shape
+    from hetero_spec.spec.suffix import SuffixRequest
+
+    p1 = dist(20)
+    p2 = {t: dist(300 + t) for t in range(V)}
+    # "1 2" was followed by "3 6" twice and "5 7" once: the proposal is the chain [3, 6]
+    prop = SuffixRequest([1, 2, 3, 6, 9, 1, 2, 3, 6, 4, 1, 2, 5, 7, 8, 1, 2]).propose(tree=False)
+    assert prop.tokens[1:] == [3, 6]
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    p_at_path = lambda path: p1 if not path else (p2[path[0]] if len(path) == 1 else dist(999))
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V))
+    saved = orch.sample_accept_tree
+    orch.sample_accept_tree = sample_accept
+    try:
+        for _ in range(N_DRAWS // 2):
+            target = _TableTarget(p_at_path)
+            target._parents = [-1, 0, 1]
+            pending = orch._Pending([np.zeros((0, 4), dtype=np.float32)], [])
+            step, _, _ = orch._suffix_round(target, orch.NO_DRAFT, 0, prop, 2, 100, pending,
+                                            FixedPolicy(Shape(0)), cfg, rng, 100, 0.0)
+            out = step.tokens
+            if len(out) == 1:
+                out = out + [int(rng.choice(V, p=p2[out[0]]))]
+            counts[out[0], out[1]] += 1
+    finally:
+        orch.sample_accept_tree = saved
+    expected = np.stack([p1[a] * p2[a] for a in range(V)])
+    return counts.ravel(), expected.ravel()
+
+
+def test_suffix_proposals_keep_p():
+    """The suffix structure's sampled rounds (a deterministic chain, q one-hot) reproduce the target's
+    joint law of two tokens; the broken rule (no residual after a rejection) is caught."""
+    counts, expected = suffix_chain_joint(sample_accept_tree)
+    assert chi2_pvalue(counts, expected) > 0.01
+    broken_rule = lambda *a, **k: sample_accept_tree(*a, **k, residual_fn=broken)
+    counts, expected = suffix_chain_joint(broken_rule)
+    assert chi2_pvalue(counts, expected) < 0.01
