@@ -306,6 +306,14 @@ def cpu_name() -> str:
     return f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')} model {info.get('model', '?')})"
 
 
+def _load_summary(d: dict, queue: bool = False) -> str:
+    """One load phase's line: clients, requests, (queue wait,) time to first token and aggregate speed."""
+    wait = (f"queue wait p50 {d['queue_wait_s']['p50']:.3f} s p95 {d['queue_wait_s']['p95']:.3f} s; "
+            if queue else "")
+    return (f"{d['clients']} clients, {d['requests']} requests: {wait}TTFT p50 {d['ttft_s']['p50']:.3f} s "
+            f"p95 {d['ttft_s']['p95']:.3f} s; aggregate {d['aggregate_tps']:.1f} tok/s")
+
+
 def report(r: dict) -> None:
     click.echo(f"model {r['model']}, draft {r['draft']}, threads {r['threads'] or 'default'}; "
                f"{r['cpu']}, {r['n_cpus']} CPUs")
@@ -325,21 +333,14 @@ def report(r: dict) -> None:
                    f"the time: {', '.join(f'{s:.1f} s' for s in th['busy_threads_cpu_s'])}")
     if "load" in r:
         lo = r["load"]
-        click.echo(f"load: {lo['clients']} clients, {lo['requests']} requests: queue wait p50 "
-                   f"{lo['queue_wait_s']['p50']:.3f} s p95 {lo['queue_wait_s']['p95']:.3f} s; "
-                   f"TTFT p50 {lo['ttft_s']['p50']:.3f} s p95 {lo['ttft_s']['p95']:.3f} s; "
-                   f"aggregate {lo['aggregate_tps']:.1f} tok/s")
+        click.echo(f"load: {_load_summary(lo, queue=True)}")
     if "slots" in r:
         sl = r["slots"]
-        click.echo(f"slots (--parallel {sl['parallel']}, no draft): {sl['clients']} clients, {sl['requests']} requests: "
-                   f"TTFT p50 {sl['ttft_s']['p50']:.3f} s p95 {sl['ttft_s']['p95']:.3f} s; aggregate "
-                   f"{sl['aggregate_tps']:.1f} tok/s; greedy texts equal the one-sequence server's: "
-                   f"{sl['texts_equal_one_sequence']}")
+        click.echo(f"slots (--parallel {sl['parallel']}, no draft): {_load_summary(sl)}; greedy texts equal the "
+                   f"one-sequence server's: {sl['texts_equal_one_sequence']}")
     if "llama_server" in r:
         ls = r["llama_server"]
-        click.echo(f"llama-server -np {ls['parallel']}: {ls['clients']} clients, {ls['requests']} requests: TTFT p50 "
-                   f"{ls['ttft_s']['p50']:.3f} s p95 {ls['ttft_s']['p95']:.3f} s; aggregate {ls['aggregate_tps']:.1f} "
-                   f"tok/s")
+        click.echo(f"llama-server -np {ls['parallel']}: {_load_summary(ls)}")
     if "turns" in r:
         tu = r["turns"]
         click.echo(f"second turn over {tu['conversations']} conversations: TTFT warm p50 "

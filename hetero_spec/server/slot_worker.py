@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,7 +28,7 @@ from .errors import APIError, internal_error
 from .events import Delta, Failed, Finished, Started
 from .metrics import Metrics
 from .queue import Job, RequestQueue
-from .worker import FINISH_REASONS, STREAM_FLUSH_S, LoadFailed, Work
+from .worker import FINISH_REASONS, STREAM_FLUSH_S, ModelThread, Work
 
 log = logging.getLogger("hetero_spec.server")
 LOOKUP_DEPTH = 4  # longest prompt-lookup chain a slot verifies in a step (as auto's, api.AUTO_LOOKUP_DEPTH)
@@ -54,49 +53,23 @@ class Live:
     stop_reason: str | None = None  # set here when a stop string ends it (the engine says "cancelled")
 
 
-class SlotWorker:
+class SlotWorker(ModelThread):
     """Decodes up to ``n_slots`` queued jobs together on a daemon thread through one ``Engine``."""
 
     def __init__(self, load: Callable[[], SequenceTarget], queue: RequestQueue, metrics: Metrics,
                  n_slots: int, drafting: Drafting = Drafting()) -> None:
-        self._load = load
+        super().__init__(load, queue, metrics)
         self.drafting = drafting
-        self.queue = queue
-        self.metrics = metrics
         self.n_slots = n_slots
         self.engine: Engine | None = None
         self._live: dict[int, Live] = {}  # by id(request)
-        self._service_s = 1.0  # running mean of a request's time in a slot, for Retry-After
-        self._ready = threading.Event()
-        self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._life, name="hetero-spec-worker", daemon=True)
 
-    # ---------------------------------------------------------------- life (as Worker)
-    def start(self) -> None:
-        if not self._thread.is_alive() and not self._ready.is_set():
-            self._thread.start()
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        if not self._ready.wait(timeout):
-            raise LoadFailed(f"the model did not load within {timeout:g} s")
-        if self._load_error is not None:
-            err = self._load_error
-            detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise LoadFailed(detail if isinstance(err, HeteroSpecError) else f"loading the model failed: {detail}")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for job in self.queue.close():
-            job.post(Failed(APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")))
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+    def _opened(self, target: SequenceTarget) -> None:
+        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
 
     def retry_after(self) -> int:
         waves = (self.queue.depth + 1) / self.n_slots
         return min(60, max(1, math.ceil(self._service_s * waves)))
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def slots(self) -> list[dict]:
         """Each slot's state for /health: idle, prefill or generating, with its request's token counts."""
@@ -110,20 +83,6 @@ class SlotWorker:
                 entry.update(prompt_tokens=len(req.prompt), generated_tokens=len(req.out))
             out.append(entry)
         return out
-
-    def _life(self) -> None:
-        try:
-            target = self._load()
-        except BaseException as exc:
-            self._load_error = exc
-            self._ready.set()
-            return
-        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
-        self._ready.set()
-        try:
-            self._loop()
-        finally:
-            target.close()
 
     # ---------------------------------------------------------------- the step loop
     def _loop(self) -> None:
@@ -151,7 +110,6 @@ class SlotWorker:
 
     def _admit(self, block: bool) -> None:
         """Move queued jobs into free slots (blocking for the first one only when nothing runs)."""
-        engine = self.engine
         while len(self._live) < self.n_slots:
             job = self.queue.take(block=block and not self._live)
             if job is None:

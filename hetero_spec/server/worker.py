@@ -53,19 +53,16 @@ class LoadFailed(HeteroSpecError):
     """The model could not be built on the worker thread; the message is the cause, in one line."""
 
 
-class Worker:
-    """Builds the model with ``load`` on a daemon thread, decodes queued jobs there one at a time, and
-    closes the model when the queue closes; ``stop`` ends it after the current round.
+class ModelThread:
+    """A daemon thread that builds a model with ``load``, serves the queue with it, and closes it: every
+    llama.cpp call of that model on this one thread (the module docstring says why).  ``wait_ready``
+    blocks until ``load`` returned and re-raises its failure as ``LoadFailed``.  Subclasses keep the
+    loaded model in ``_opened`` and decode in ``_loop`` until the queue closes."""
 
-    ``load`` is called on the worker thread (see the module docstring for why); ``wait_ready``
-    blocks until it returned and re-raises its failure as ``LoadFailed``."""
-
-    def __init__(self, load: Callable[[], Any], queue: RequestQueue, metrics: Metrics, options: dict) -> None:
+    def __init__(self, load: Callable[[], Any], queue: RequestQueue, metrics: Metrics) -> None:
         self._load = load
-        self.hs: Any = None  # the HeteroSpec, once loaded; used only from the worker thread
         self.queue = queue
         self.metrics = metrics
-        self.options = options  # drafting options from the server config (EngineConfig.generate_options)
         self._service_s = 1.0  # running mean of a request's time on the model, for Retry-After
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -91,32 +88,50 @@ class Worker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _life(self) -> None:
-        """Load, serve until the queue closes, close: every llama.cpp call of the model on this one thread."""
+        """Load, serve until the queue closes, close."""
         try:
-            hs = self._load()
+            model = self._load()
         except BaseException as exc:  # reported by wait_ready, on the thread that waits
             self._load_error = exc
             log.debug("loading the model failed", exc_info=True)
             self._ready.set()
             return
-        self.hs = hs
+        self._opened(model)
         self._ready.set()
         try:
             self._loop()
         finally:
-            close = getattr(hs, "close", None)
+            close = getattr(model, "close", None)
             if close is not None:
                 close()
+
+    def _opened(self, model: Any) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class Worker(ModelThread):
+    """Decodes queued jobs one at a time through ``HeteroSpec``; ``stop`` ends it after the current round."""
+
+    def __init__(self, load: Callable[[], Any], queue: RequestQueue, metrics: Metrics, options: dict) -> None:
+        super().__init__(load, queue, metrics)
+        self.hs: Any = None  # the HeteroSpec, once loaded; used only from the worker thread
+        self.options = options  # drafting options from the server config (EngineConfig.generate_options)
+
+    def _opened(self, model: Any) -> None:
+        self.hs = model
 
     def retry_after(self) -> int:
         """Seconds until what waits now has likely been served (whole seconds, as Retry-After wants),
         so rejected clients come back when there is room instead of all at once."""
         return min(60, max(1, math.ceil(self._service_s * (self.queue.depth + 1))))
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _loop(self) -> None:
         while (job := self.queue.take()) is not None:

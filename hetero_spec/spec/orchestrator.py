@@ -392,6 +392,18 @@ def _verify_tree(target, tree: Tree, q_at, sampling: SamplingConfig, rng: np.ran
     return path, nxt, rows, kept, verify_s
 
 
+def _fixed_proposal_q(tree: Tree, n_vocab: int):
+    """q for a proposal drawn without a model (prompt lookup, the suffix structure): one-hot on the
+    node's first child, so acceptance is p(token) and a rejection draws from p without it."""
+
+    def one_hot(i: int) -> np.ndarray:
+        q = np.zeros(n_vocab, dtype=np.float64)
+        q[tree.tokens[tree.children[i][0]]] = 1.0
+        return q
+
+    return one_hot
+
+
 def _lookup_round(target, x: int, offered: list[int], depth: int, pending: _Pending, policy: Policy,
                   sampling: SamplingConfig, rng: np.random.Generator, left: int, t0: float) -> tuple[Step, int, _Pending]:
     """The first ``depth`` tokens prompt lookup ``offered``, verified like a drafted chain; the draft
@@ -403,12 +415,8 @@ def _lookup_round(target, x: int, offered: list[int], depth: int, pending: _Pend
     proposal = offered[:depth]
     tree = Tree.chain(x, proposal)
 
-    def one_hot(i: int) -> np.ndarray:
-        q = np.zeros(target.n_vocab, dtype=np.float64)
-        q[tree.tokens[tree.children[i][0]]] = 1.0
-        return q
-
-    path, nxt, rows, hidden, verify_s = _verify_tree(target, tree, one_hot, sampling, rng)
+    path, nxt, rows, hidden, verify_s = _verify_tree(target, tree, _fixed_proposal_q(tree, target.n_vocab),
+                                                     sampling, rng)
     accepted = [int(t) for t in tree.tokens[path]] + [nxt]
     pending.add(hidden, accepted)
     _check_kv(target, n0 + len(rows))
@@ -439,12 +447,8 @@ def _suffix_round(target, draft, x: int, prop: SuffixProposal, depth: int, room:
             tokens, parents = tokens[: room + 1], parents[: room + 1]
         tree = Tree(np.array(tokens), np.array(parents))
 
-    def one_hot(i: int) -> np.ndarray:
-        q = np.zeros(target.n_vocab, dtype=np.float64)
-        q[tree.tokens[tree.children[i][0]]] = 1.0
-        return q
-
-    path, nxt, rows, hidden, verify_s = _verify_tree(target, tree, one_hot, sampling, rng)
+    path, nxt, rows, hidden, verify_s = _verify_tree(target, tree, _fixed_proposal_q(tree, target.n_vocab),
+                                                     sampling, rng)
     accepted = [int(t) for t in tree.tokens[path]] + [nxt]
     if draft is NO_DRAFT:
         pending.to_holes()
