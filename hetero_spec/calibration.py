@@ -145,16 +145,10 @@ def _interp(table: dict[int, float], n: int) -> float:
 # ------------------------------------------------------------------- measuring
 def machine_id(threads: int) -> str:
     """Host name, CPU model and thread count: what makes a curve belong to this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from .cpu_features import cpu_info
     from .target.kernels import applied_plan
+
+    cpu = cpu_info()[0] or platform.processor() or platform.machine()
 
     plan = applied_plan()  # t(n) depends on the kernels: a plain-CPU curve must not price a repacked run
     kernels = f" | kernels {plan.mode}" if plan is not None else ""

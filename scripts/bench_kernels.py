@@ -20,7 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hetero_spec.target.kernels import ENV, MODES, _cpu_flags, decide
+from hetero_spec.cpu_features import cpu_info
+from hetero_spec.target.kernels import ENV, MODES, decide
 
 
 def calibrate(model: Path, mode: str, threads: int, repeats: int) -> dict:
@@ -61,7 +62,7 @@ def main() -> None:
                 bar.update(1)
     ns = list(range(1, args.max_n + 1))
     table = {m: {n: statistics.median(c["verify_ms"][str(n)] for c in curves[m]) for n in ns} for m in modes}
-    cpu, flags = _cpu_flags()
+    cpu, flags = cpu_info()
     result = {
         "command": " ".join(["python", "scripts/bench_kernels.py", args.model.name, "--modes", ",".join(modes),
                              "--passes", str(args.passes), "--threads", str(args.threads)]),

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cpu_features import cpu_info
 from ..errors import TargetError
 
 MODES = ("default", "no-amx", "plain")
@@ -75,25 +76,8 @@ class KernelPlan:
         return f"{self.mode} ({self.reason})"
 
 
-def _cpu_flags() -> tuple[str, set[str]]:
-    """The CPU's model name and feature flags from /proc/cpuinfo (empty off Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "", set()
-    name, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not name:
-            name = value.strip()
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    return name, flags
-
-
 def cpu_has_amx() -> bool:
-    return "amx_tile" in _cpu_flags()[1]
+    return "amx_tile" in cpu_info()[1]
 
 
 def _llama_build_id() -> str:
@@ -108,7 +92,7 @@ def _llama_build_id() -> str:
 
 
 def probe_key() -> str:
-    name, flags = _cpu_flags()
+    name, flags = cpu_info()
     raw = "|".join([name, " ".join(sorted(flags)), platform.release(), _llama_build_id()])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 

@@ -19,7 +19,7 @@ CLI = [sys.executable, "-m", "hetero_spec"]
 
 
 def _has_flag(flag: str) -> bool:
-    return flag in kernels._cpu_flags()[1]
+    return flag in kernels.cpu_info()[1]
 
 
 # ------------------------------------------------------------------ the decision, from the probe's answer
@@ -28,7 +28,7 @@ def amx_cpu(monkeypatch, tmp_path):
     """A CPU that reports AMX, with the probe cache in a folder of its own."""
     monkeypatch.setenv("HETERO_SPEC_CACHE", str(tmp_path))
     monkeypatch.delenv(kernels.ENV, raising=False)
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: ("Test Xeon", {"avx2", "amx_tile", "amx_int8"}))
+    monkeypatch.setattr(kernels, "cpu_info", lambda: ("Test Xeon", {"avx2", "amx_tile", "amx_int8"}))
     monkeypatch.setattr(kernels.sys, "platform", "linux")
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     calls: list[str] = []
@@ -58,7 +58,7 @@ def test_working_tiles_keep_llama_cpp_s_choice(amx_cpu, monkeypatch):
 
 
 def test_no_amx_flag_means_no_probe(amx_cpu, monkeypatch):
-    monkeypatch.setattr(kernels, "_cpu_flags", lambda: ("Test EPYC", {"avx2", "avx512f"}))
+    monkeypatch.setattr(kernels, "cpu_info", lambda: ("Test EPYC", {"avx2", "avx512f"}))
     _answer(monkeypatch, amx_cpu, ProbeResult(False, (), "must not be asked"))
     assert decide().mode == "default" and amx_cpu == []
 
