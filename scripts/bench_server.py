@@ -4,7 +4,9 @@ latency with concurrent clients, and the time to first token of a conversation's
     python scripts/bench_server.py "$(python scripts/default_model.py)" --out bench-server.json
 
 Both sides run at the same thread count: ``-t 0`` (the default) is the default of ``run`` and
-``serve`` (every core), which is where a busy thread beside llama.cpp's shows.
+``serve`` (every core), which is where a busy thread beside llama.cpp's shows.  Parts 1, 2 and 3
+run ``serve --parallel 1`` (one sequence at a time, the reference for exactness); part 2b the
+batched engine.
 
 1. overhead   one sequential client: the same prompts through ``hetero-spec run --stats-json`` (a
               subprocess each) and through the server (a streaming request each), interleaved prompt
@@ -17,16 +19,20 @@ Both sides run at the same thread count: ``-t 0`` (the default) is the default o
 2. load       N clients at once, each sending R streaming requests back to back: p50/p95 of the
               queue wait (the server's ``hetero_spec.queue_s``) and of the time to first token
               (request sent -> first text, at the client).
-2b. slots     the same load against ``serve --parallel N --no-draft`` (the batched engine), with every
-              greedy text checked against the one-sequence server's text of the same prompt.
-2c. llama-server  the same load against llama.cpp's own server with ``-np N`` (continuous batching; built
-              by ``scripts/build_llama_cpp.sh``), same threads, KV cells and 32-row micro-batches.
+2b. batched   the same load, interleaved pass by pass, against ``serve --parallel N`` (the batched
+              engine) and llama.cpp's own server with ``-np N`` (continuous batching; built by
+              ``scripts/build_llama_cpp.sh``; same threads, KV cells, context and 32-row
+              micro-batches), speculation off on both (``--no-draft``; no ``--spec-type``) and on
+              (prompt lookup priced on the batch; ``--spec-type ngram-simple`` and ``ngram-mod``).
+              Medians over passes of the aggregate tokens/s and the time to first token, and every
+              greedy text of ours checked against the one-sequence server's (needs ``load``).
 3. turns      per mt_bench conversation: turn 1, then turn 2 (which reuses turn 1's cached prefix),
               another conversation in between, then the same turn 2 again (only the template's
               shared system prefix is reusable): time to first token, warm against cold.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
@@ -60,12 +66,15 @@ class Server:
                 break
         if not self.url:
             raise SystemExit("the server did not start")
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()  # keep draining
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        threading.Thread(target=lambda: self.tail.extend(self.proc.stderr), daemon=True).start()  # keep draining
 
     def __enter__(self) -> "Server":
         return self
 
     def __exit__(self, *exc) -> None:
+        if exc[0] is not None:  # what the server said last, for the failure above
+            sys.stderr.write("".join(self.tail))
         self.proc.terminate()
         try:
             self.proc.wait(30)
@@ -178,7 +187,9 @@ def overhead(http, model, engine, prompts, max_tokens, repeats, server_pid: int)
 
 def load(url, prompts, clients, per_client, max_tokens) -> dict:
     def one_client(c: int) -> list[dict]:
-        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
+        # a connection per request: a keep-alive connection the server closes as the next request goes out
+        # (seen with llama-server -np 4) would fail that request, on either side
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S, headers={"Connection": "close"}) as http:
             out = []
             for r in range(per_client):
                 prompt = prompts[(c + r) % len(prompts)]
@@ -215,27 +226,72 @@ def turns(http, conversations, max_tokens) -> dict:
             "cold_prefill_s": pct([c["server"]["prefill_s"] for c in cold])}
 
 
-def llama_server_load(model: Path, threads: int, ctx: int, parallel: int, prompts, clients, per_client,
-                      max_tokens) -> dict:
-    """The load part against ``llama-server -np parallel`` (continuous batching, its defaults otherwise)."""
-    from hetero_spec.bench.llama_server import LlamaServer, find_tool, free_port
+SPEC_OFF, SPEC_ON = "off", "on"
+
+
+def llama_server_cmd(model: Path, threads: int, ctx: int, parallel: int, port: int, spec: list[str]) -> list[str]:
+    """llama-server ``-np parallel`` (continuous batching, its defaults otherwise) as the in-process side runs."""
+    from hetero_spec.bench.llama_server import find_tool
     from hetero_spec.target.kernels import apply_kernel_plan
     from hetero_spec.target.llama_target import default_threads
 
     t = str(threads or default_threads())
-    port = free_port()
-    cmd = [str(find_tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", t,
-           "-tb", t, "-c", str(ctx * parallel), "-np", str(parallel), "-ub", "32", "-ctk", "q8_0", "-ctv", "q8_0",
-           "-fa", "auto", "-ngl", "0", "--no-webui", *apply_kernel_plan().tool_args()]
-    srv = LlamaServer(cmd, port)
-    try:
-        with httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
-            stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
-        out = load(srv.url, prompts, clients, per_client, max_tokens)
-    finally:
-        srv.close()
-    out["parallel"] = parallel
+    return [str(find_tool("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", t,
+            "-tb", t, "-c", str(ctx * parallel), "-np", str(parallel), "-ub", "32", "-ctk", "q8_0", "-ctv", "q8_0",
+            "-fa", "auto", "-ngl", "0", "--no-webui", *apply_kernel_plan().tool_args(), *spec]
+
+
+def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, clients, per_client, max_tokens,
+                 repeats: int, reference: dict | None) -> dict:
+    """Part 2b: each pass runs every configuration once, in the same order; medians over the passes."""
+    from hetero_spec.bench.llama_server import LlamaServer, free_port
+
+    ours = ["-t", str(threads), "--ctx", str(ctx), "--parallel", str(parallel), "--max-queue", str(clients)]
+    configs = {
+        ("hetero-spec", SPEC_OFF): ["--no-draft", *ours],
+        ("llama-server", SPEC_OFF): [],
+        ("hetero-spec", SPEC_ON): ours,  # no draft model: prompt lookup, priced on the batch
+        ("llama-server", "ngram-simple"): ["--spec-type", "ngram-simple"],
+        ("llama-server", "ngram-mod"): ["--spec-type", "ngram-mod"],
+    }
+    runs: dict[tuple[str, str], list[dict]] = {key: [] for key in configs}
+    for _ in range(repeats):
+        for (server, spec), args in configs.items():
+            if server == "hetero-spec":
+                with Server([str(model), *args]) as srv:
+                    runs[(server, spec)].append(_warm_load(srv.url, prompts, clients, per_client, max_tokens))
+            else:
+                port = free_port()
+                srv = LlamaServer(llama_server_cmd(model, threads, ctx, parallel, port, args), port)
+                try:
+                    runs[(server, spec)].append(_warm_load(srv.url, prompts, clients, per_client, max_tokens))
+                except httpx.HTTPError as err:  # the peer's failure is a finding, not the end of the run
+                    srv.failed = True  # keeps its log
+                    runs[(server, spec)].append({"error": f"{type(err).__name__}: {err}"})
+                    sys.stderr.write(f"llama-server {' '.join(args)} failed ({err}); its log: {srv.log}\n")
+                finally:
+                    srv.close()
+    out = {"parallel": parallel, "passes": repeats, "configs": []}
+    for (server, spec), all_runs in runs.items():
+        rs = [r for r in all_runs if "error" not in r]
+        errors = [r["error"] for r in all_runs if "error" in r]
+        if not rs:
+            out["configs"].append({"server": server, "spec": spec, "errors": errors})
+            continue
+        entry = {"server": server, "spec": spec, "aggregate_tps": statistics.median(r["aggregate_tps"] for r in rs),
+                 "ttft_p50_s": statistics.median(r["ttft_s"]["p50"] for r in rs),
+                 "ttft_p95_s": statistics.median(r["ttft_s"]["p95"] for r in rs),
+                 "aggregate_tps_passes": [r["aggregate_tps"] for r in rs], "errors": errors}
+        if reference is not None:  # greedy: ours must equal one sequence at a time; llama-server's, for the record
+            entry["texts_equal_one_sequence"] = all(r["texts"] == reference for r in rs)
+        out["configs"].append(entry)
     return out
+
+
+def _warm_load(url: str, prompts, clients, per_client, max_tokens) -> dict:
+    with httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
+        stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
+    return load(url, prompts, clients, per_client, max_tokens)
 
 
 def pct(values: list[float]) -> dict:
@@ -257,15 +313,17 @@ def pct(values: list[float]) -> dict:
 @click.option("--load-tokens", default=32, show_default=True, help="max_tokens of the load part's requests")
 @click.option("--conversations", default=6, show_default=True)
 @click.option("--parts", default="overhead,load,turns", show_default=True,
-              help="which parts to run, comma-separated: overhead, load, slots (needs load), llama-server, turns")
-@click.option("--parallel", default=4, show_default=True, type=click.IntRange(2), help="slots of the slots part")
+              help="which parts to run, comma-separated: overhead, load, batched, turns")
+@click.option("--parallel", default=4, show_default=True, type=click.IntRange(2),
+              help="slots of the batched part (ours and llama-server's)")
+@click.option("--passes", default=2, show_default=True, type=click.IntRange(1), help="passes of the batched part")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="write the figures as JSON")
 def main(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
-         parts, parallel, out):
+         parts, parallel, passes, out):
     rows = [json.loads(ln)["turns"] for ln in shipped_text("mt_bench").splitlines() if ln.strip()]
     prompts = [t[0] for t in rows]
     engine = [str(draft), "--draft-device", "cpu"] if draft else ["--no-draft"]
-    engine += ["-t", str(threads), "--ctx", str(ctx)]
+    engine += ["-t", str(threads), "--ctx", str(ctx), "--parallel", "1"]  # one sequence: the reference
     wanted = set(parts.split(","))
     with Server([str(model), *engine]) as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
         stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
@@ -277,18 +335,10 @@ def main(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, pe
             result["load"] = load(srv.url, prompts, clients, per_client, load_tokens)
         if "turns" in wanted:
             result["turns"] = turns(http, [(t[0], t[1]) for t in rows if len(t) > 1][:conversations], max_tokens)
-    if "llama-server" in wanted:
-        result["llama_server"] = llama_server_load(model, threads, ctx, parallel, prompts, clients, per_client,
-                                                   load_tokens)
-    if "slots" in wanted and "load" in result:
-        slot_engine = ["--no-draft", "-t", str(threads), "--ctx", str(ctx), "--parallel", str(parallel)]
-        with Server([str(model), *slot_engine, "--max-queue", str(clients)]) as srv, \
-                httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
-            stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
-            slots = load(srv.url, prompts, clients, per_client, load_tokens)
-        slots["parallel"] = parallel
-        slots["texts_equal_one_sequence"] = slots["texts"] == result["load"]["texts"]  # greedy: lossless either way
-        result["slots"] = slots
+    if "batched" in wanted:
+        reference = result["load"]["texts"] if "load" in result else None
+        result["batched"] = batched_load(model, threads, ctx, parallel, prompts, clients, per_client, load_tokens,
+                                         passes, reference)
     report(result)
     if out:
         out.write_text(json.dumps(result, indent=2))
@@ -334,13 +384,21 @@ def report(r: dict) -> None:
     if "load" in r:
         lo = r["load"]
         click.echo(f"load: {_load_summary(lo, queue=True)}")
-    if "slots" in r:
-        sl = r["slots"]
-        click.echo(f"slots (--parallel {sl['parallel']}, no draft): {_load_summary(sl)}; greedy texts equal the "
-                   f"one-sequence server's: {sl['texts_equal_one_sequence']}")
-    if "llama_server" in r:
-        ls = r["llama_server"]
-        click.echo(f"llama-server -np {ls['parallel']}: {_load_summary(ls)}")
+    if "batched" in r:
+        b = r["batched"]
+        base = {c["spec"]: c for c in b["configs"] if c["server"] == "llama-server" and "aggregate_tps" in c}
+        click.echo(f"batched, -np/--parallel {b['parallel']}, medians of {b['passes']} interleaved passes:")
+        for c in b["configs"]:
+            if "aggregate_tps" not in c:
+                click.echo(f"  {c['server']:12s} spec {c['spec']:12s} failed every pass: {c['errors'][0]}")
+                continue
+            peer = base.get(c["spec"]) or base.get("ngram-simple")
+            vs = f"; {c['aggregate_tps'] / peer['aggregate_tps']:.2f}x llama-server {peer['spec']}" \
+                if c["server"] == "hetero-spec" and peer else ""
+            same = f"; greedy texts equal one-sequence: {c['texts_equal_one_sequence']}" \
+                if "texts_equal_one_sequence" in c else ""
+            click.echo(f"  {c['server']:12s} spec {c['spec']:12s} {c['aggregate_tps']:6.1f} tok/s, TTFT p50 "
+                       f"{c['ttft_p50_s']:.3f} s p95 {c['ttft_p95_s']:.3f} s{vs}{same}")
     if "turns" in r:
         tu = r["turns"]
         click.echo(f"second turn over {tu['conversations']} conversations: TTFT warm p50 "

@@ -1,10 +1,11 @@
 """One batched engine for many sequences: slots in one llama.cpp context, one ``llama_decode`` per step.
 
-    slots.py      Slot: one request's sequence (its llama.cpp seq id, prompt, answer, sampling state)
-    scheduler.py  FIFO admission with a bound, and which rows each slot gets this step (chunked prefill)
+    slots.py      Slot: one request's sequence (its llama.cpp seq id, prompt, answer, sampling state, kept cells)
+    scheduler.py  FIFO admission with a bound and prefix affinity, and the layout of a step's rows
+    cost.py       what a step costs by its rows and how often drafts are accepted: speculation priced on the batch
     step.py       Engine: one step = build the rows -> one llama_decode -> accept each slot's tokens
 
-Today the engine runs plain rows, prompt chunks and prompt-lookup draft rows (greedy requests; no
+The engine runs plain rows, prompt chunks and prompt-lookup draft rows (greedy requests; no
 draft-model rows yet); every greedy answer equals the same prompt decoded alone (tested), whatever
 else shares the steps.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from .scheduler import QueueFull, Scheduler
 from .slots import Request, Slot
+from .cost import Acceptance, StepCost
 from .step import Drafting, Engine, StepRecord
 
-__all__ = ["Drafting", "Engine", "QueueFull", "Request", "Scheduler", "Slot", "StepRecord"]
+__all__ = ["Acceptance", "StepCost", "Drafting", "Engine", "QueueFull", "Request", "Scheduler", "Slot", "StepRecord"]

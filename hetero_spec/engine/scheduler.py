@@ -1,29 +1,70 @@
-"""Admission and row allocation: who gets a slot, and which rows each slot puts in this step.
+"""Admission and the layout of a step: who gets a slot, and which rows each sequence puts in the decode.
 
-FIFO: requests wait in arrival order and take free slots in that order, so nobody starves.
-Each step first gives every generating slot its one plain row (a token per user per step keeps
-the streams moving), then fills the remaining rows, up to ``max_rows``, with prompt chunks of the
-slots still prefilling, oldest first: a long prompt is cut into chunks and never stalls the others.
-Draft rows (a slot's proposal, verified behind its plain row) take what room is left: they are a
-bet, the others' rows are not.
+FIFO: requests wait in arrival order and take free slots in that order, so nobody starves.  Of
+the free slots, a request takes the one whose kept cells hold the longest start of its prompt
+(an earlier turn of the same conversation, a shared system prompt), so interleaved conversations
+keep their caches; otherwise a request takes the slot whose cells it costs least to lose (an empty
+one first), then the lowest sequence id, which keeps the busy sequences together.
+
+The layout follows how llama.cpp cuts a decode of a KV stream per sequence into micro-batches
+(``target/sequences.py``): the same number of rows from each of a run of consecutive sequence
+ids.  So rows are sorted by sequence; every generating slot puts in its pending token and the
+drafts the engine chose for it (``cost.py`` prices the micro-batches each choice makes); a sequence
+inside the span with nothing to decode gets pad rows, as many as the narrowest generating slot
+has, which the engine removes after the decode, so the first micro-batch spans every sequence; and
+one prefilling slot (the oldest) adds a prompt chunk: its first rows ride in that micro-batch, the
+rest (up to ``max_rows``) in one of their own, so a long prompt never stalls the others.
 """
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 
 from ..target.sequences import Row
+from ..spec.suffix import SuffixCache
 from .slots import Request, Slot
+
+PAD_TOKEN = 0  # any id: a pad row's cell is removed after the decode and its logits are not read
+
+
+MIN_AFFINITY = 16  # shared prompt tokens that make a slot preferred (fewer: a BOS, a template's first tokens)
+
+
+def _affinity(slot: Slot, prompt: list[int]) -> tuple[int, int, int]:
+    """Sort key of a free slot for ``prompt``: the longest reusable start (when it is worth a preference), then
+    the fewest cached tokens lost, then the lowest sequence id."""
+    reuse = slot.reusable(prompt)
+    return (reuse if reuse >= MIN_AFFINITY else 0, reuse - len(slot.cached), -slot.seq)
 
 
 class QueueFull(Exception):
     """``max_waiting`` requests already wait for a slot."""
 
 
-class Scheduler:
-    """The slots, the bounded FIFO of waiting requests, and the rows of the next step."""
+@dataclass(frozen=True)
+class Admitted:
+    """A request that just took ``slot``, whose cells already hold its first ``reuse`` prompt tokens."""
 
-    def __init__(self, n_slots: int, max_waiting: int, max_rows: int) -> None:
+    slot: Slot
+    reuse: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's rows, sorted by sequence, as (slot, row, kind) with kind ``plain``, ``draft``, ``prompt``
+    or ``pad``; ``span`` sequences each put in at least ``width`` rows (the shared micro-batch)."""
+
+    rows: list[tuple[Slot, Row, str]]
+    span: int
+    width: int
+
+
+class Scheduler:
+    """The slots, the bounded FIFO of waiting requests, and the layout of the next step."""
+
+    def __init__(self, n_slots: int, max_waiting: int, max_rows: int, seq_ctx: int = 1 << 30) -> None:
         self.slots = [Slot(seq) for seq in range(n_slots)]
+        self.seq_ctx = seq_ctx
         self.max_waiting = max_waiting
         self.max_rows = max_rows
         self.waiting: collections.deque[Request] = collections.deque()
@@ -42,16 +83,20 @@ class Scheduler:
             return False
         return True
 
-    def admit(self, lookup: bool = False) -> list[Slot]:
-        """Free slots take waiting requests in arrival order; returns the slots just assigned."""
+    def admit(self, cache: SuffixCache | None = None) -> list[Admitted]:
+        """Free slots take waiting requests in arrival order, each the free slot that holds the longest
+        start of its prompt; returns the assignments."""
         taken = []
-        for slot in self.slots:
-            if not self.waiting:
+        while self.waiting:
+            free = [slot for slot in self.slots if slot.free]
+            if not free:
                 break
-            if slot.free:
-                slot.assign(self.waiting.popleft(), lookup)
-                self._order.append(slot)
-                taken.append(slot)
+            request = self.waiting.popleft()
+            slot = max(free, key=lambda s: _affinity(s, request.prompt))
+            reuse = slot.reusable(request.prompt)
+            slot.assign(request, cache, reuse)
+            self._order.append(slot)
+            taken.append(Admitted(slot, reuse))
         return taken
 
     def release(self, slot: Slot) -> Request:
@@ -62,28 +107,66 @@ class Scheduler:
     def active(self) -> list[Slot]:
         return list(self._order)
 
-    def rows(self) -> list[tuple[Slot, Row, str]]:
-        """This step's rows as (slot, row, kind), kind ``plain``, ``prompt`` or ``draft``: a plain row per
-        generating slot, then prompt chunks, then draft rows, up to ``max_rows``.  A slot whose
-        proposal does not fit whole drafts only the part that does (``slot.drafts`` is cut to it)."""
-        rows: list[tuple[Slot, Row, str]] = []
-        for slot in self._order:
-            if slot.pending is not None and len(rows) < self.max_rows:
-                rows.append((slot, Row(slot.seq, slot.pending, slot.n_past, True), "plain"))
-        for slot in self._order:
-            if not slot.prefilling:
-                continue
-            prompt = slot.request.prompt
-            take = min(self.max_rows - len(rows), len(prompt) - slot.fed)
-            for k in range(take):
-                pos = slot.fed + k
-                rows.append((slot, Row(slot.seq, prompt[pos], pos, pos == len(prompt) - 1), "prompt"))
-        planned = {id(slot) for slot, _, kind in rows if kind == "plain"}
-        for slot in self._order:
-            if id(slot) not in planned:
-                slot.drafts = []
-                continue
-            slot.drafts = slot.drafts[: self.max_rows - len(rows)]
-            for i, token in enumerate(slot.drafts):
-                rows.append((slot, Row(slot.seq, token, slot.n_past + 1 + i, True), "draft"))
-        return rows
+    @property
+    def generating(self) -> list[Slot]:
+        return [slot for slot in self._order if slot.pending is not None]
+
+    def chunk_slot(self) -> Slot | None:
+        """The prefilling slot that gets a prompt chunk this step: the oldest."""
+        return next((slot for slot in self._order if slot.prefilling), None)
+
+    def chunk_rows(self, width: int) -> int:
+        """Prompt rows the chunk slot puts in a step whose narrowest generating slot puts in ``width`` rows."""
+        slot = self.chunk_slot()
+        if slot is None:
+            return 0
+        return min(len(slot.request.prompt) - slot.fed, self.max_rows + width)
+
+    def counts(self, ks: dict[Slot, int]) -> list[tuple[int, int]]:
+        """(sequence, rows) of the step ``plan(ks)`` lays out, in batch order: what the engine prices (the same
+        arithmetic as ``_layout``, without building rows)."""
+        gen = self.generating
+        width = 1 + min((ks.get(slot, 0) for slot in gen), default=0) if gen else 0
+        n = {slot.seq: 1 + ks.get(slot, 0) for slot in gen}
+        chunk = self.chunk_slot()
+        if chunk is not None:
+            n[chunk.seq] = self.chunk_rows(width)
+        if n and width:
+            for seq in range(min(n), max(n) + 1):
+                n[seq] = max(n.get(seq, 0), width)
+        return sorted(n.items())
+
+    def plan(self, ks: dict[Slot, int]) -> Plan:
+        """The step's rows with ``ks[slot]`` drafts for each generating slot (``slot.drafts`` holds them)."""
+        by_seq = self._layout(ks)
+        rows = [r for seq in by_seq for r in by_seq[seq]]
+        widths = [len(r) for r in by_seq.values()]
+        return Plan(rows, len(by_seq), min(widths) if widths else 0)
+
+    def _layout(self, ks: dict[Slot, int]) -> dict[int, list[tuple[Slot, Row, str]]]:
+        """Rows by sequence, in sequence order: each generating slot's pending token and drafts, the chunk,
+        and pad rows, as many as the narrowest generating slot has, for a sequence between two that decode
+        and has nothing to decode itself (so the first micro-batch spans them all)."""
+        gen = self.generating
+        width = 1 + min((ks.get(slot, 0) for slot in gen), default=0) if gen else 0
+        chunk = self.chunk_slot()
+        by_seq: dict[int, list[tuple[Slot, Row, str]]] = {}
+        for slot in gen:
+            pos = slot.n_past
+            rows = [(slot, Row(slot.seq, slot.pending, pos, True), "plain")]
+            k = ks.get(slot, 0)
+            rows += [(slot, Row(slot.seq, t, pos + 1 + i, True), "draft") for i, t in enumerate(slot.drafts[:k])]
+            by_seq[slot.seq] = rows
+        if chunk is not None:
+            prompt = chunk.request.prompt
+            by_seq[chunk.seq] = [(chunk, Row(chunk.seq, prompt[p], p, p == len(prompt) - 1), "prompt")
+                                 for p in range(chunk.fed, chunk.fed + self.chunk_rows(width))]
+        if not by_seq or not width:
+            return by_seq
+        for seq in range(min(by_seq), max(by_seq) + 1):  # pad a gap, and a chunk shorter than the width
+            slot = self.slots[seq]
+            rows = by_seq.setdefault(seq, [])
+            pos = rows[-1][1].pos + 1 if rows else slot.n_past
+            n_pad = min(width - len(rows), self.seq_ctx - pos)  # none past the end (a rare extra micro-batch)
+            rows += [(slot, Row(seq, PAD_TOKEN, pos + i, False), "pad") for i in range(max(0, n_pad))]
+        return dict(sorted(by_seq.items()))

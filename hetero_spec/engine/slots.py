@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..config import SamplingConfig
-from ..spec.lookup import NgramLookup
+from ..spec.suffix import SuffixCache, SuffixRequest
 
 
 @dataclass(eq=False)
@@ -46,8 +46,11 @@ class Slot:
     fed: int = 0  # prompt rows decoded so far
     pending: int | None = None  # the picked token not yet decoded
     rng: np.random.Generator | None = None
-    lookup: NgramLookup | None = None  # prompt + answer so far, for prompt-lookup drafts (greedy requests)
+    suffix: SuffixRequest | None = None  # prompt + answer so far (and past answers), for copy drafts (greedy)
     drafts: list[int] = field(default_factory=list)  # this step's proposal, verified after ``pending``
+    sure: int = 0  # drafts[:sure] came from a long match, the rest are guesses that fill the batch
+    bucket: int = 0  # the match length class of those drafts (Engine.trusted)
+    cached: list[int] = field(default_factory=list)  # while free: the tokens whose cells the sequence kept
 
     @property
     def free(self) -> bool:
@@ -59,17 +62,37 @@ class Slot:
 
     @property
     def n_past(self) -> int:
-        """Cells this sequence holds in the KV cache."""
+        """Cells of this sequence that hold its text: the prompt fed so far and every answer token but the
+        newest (picked, not decoded yet); for a free slot, its ``cached`` tokens."""
         r = self.request
-        return 0 if r is None else self.fed + len(r.out) - (1 if self.pending is not None else 0)
+        if r is None:
+            return len(self.cached)
+        return self.fed + max(0, len(r.out) - 1)
 
-    def assign(self, request: Request, lookup: bool = False) -> None:
-        """Take ``request``; ``lookup``: keep an n-gram index of its text (only greedy requests draft)."""
-        self.request, self.fed, self.pending, self.drafts = request, 0, None, []
+    def reusable(self, prompt: list[int]) -> int:
+        """How many of ``prompt``'s first tokens this free slot's cells already hold (at most all but the
+        last: the last prompt row must be decoded again for its logits)."""
+        n = 0
+        for a, b in zip(self.cached, prompt[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def assign(self, request: Request, cache: SuffixCache | None = None, reuse: int = 0) -> None:
+        """Take ``request``, whose first ``reuse`` prompt tokens are in the cells already; ``cache``: draft by
+        suffix match over its text and the past answers there (only greedy requests draft)."""
+        self.request, self.fed, self.pending, self.drafts, self.sure = request, reuse, None, [], 0
+        self.cached = []
         self.rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
-        self.lookup = NgramLookup(request.prompt) if lookup and request.sampling.greedy else None
+        self.suffix = SuffixRequest(request.prompt, cache) if cache is not None and request.sampling.greedy else None
 
     def release(self) -> Request:
-        request, self.request, self.pending, self.rng, self.lookup, self.drafts = \
-            self.request, None, None, None, None, []
+        """Free the slot; its cells keep the request's text (``cached``) for a later prompt that starts alike."""
+        request = self.request
+        self.cached = (request.prompt + request.out)[: self.n_past]
+        if self.suffix is not None:  # its answer becomes text later requests can copy from
+            self.suffix.extend(request.out[len(self.suffix.output):])
+            self.suffix.finish()
+        self.request, self.pending, self.rng, self.suffix, self.drafts, self.sure = None, None, None, None, [], 0
         return request

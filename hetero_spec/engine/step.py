@@ -1,32 +1,42 @@
-"""The engine: one step = the scheduler's rows -> one llama_decode -> each slot's next token.
+"""The engine: one step = the scheduler's rows -> one llama_decode -> each slot's next tokens.
 
-Every slot is a sequence of one ``SequenceTarget`` context.  A step's decode holds the plain row
-of every generating slot and the prompt chunks of the slots still prefilling, at most 32 rows
-(the bound under which llama.cpp's rows are batch-invariant), so a greedy answer is the same
-whoever else is served (tested against single-sequence decoding, logits bit for bit).
+Every slot is a sequence of one ``SequenceTarget`` context.  A step's decode holds every generating
+slot's pending token and its drafts (the same number for all), pad rows that keep the sequences in
+one micro-batch, and one prompt chunk (``scheduler.py`` says why this layout); llama.cpp cuts it
+into micro-batches of at most 32 rows, the bound under which its rows are batch-invariant, so a
+greedy answer is the same whoever else is served (tested against single-sequence decoding, logits
+bit for bit).  How many drafts a step verifies is priced on the batch (``cost.py``).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from ..spec.sampling import process_support, sample_support
-from ..target.sequences import SequenceTarget
+from ..spec.suffix import SuffixCache, SuffixConfig
+from ..target.sequences import Row, SequenceTarget
+from .cost import PROBE_ROWS, Acceptance, StepCost, expected_accepted, micro_batches
 from .scheduler import Scheduler
 from .slots import Request, Slot
 
 
 @dataclass(frozen=True)
 class Drafting:
-    """Which draft rows the engine verifies: prompt lookup up to ``lookup_depth`` tokens (0: off), only
-    behind a match of at least ``lookup_min_match`` tokens (the first proposed token was right 94% of
-    the time after 8 or more on SmolLM2's answers, ``spec/lookup.py``), greedy requests only."""
+    """Which draft rows the engine may verify: copies of what followed the longest suffix match of a request's
+    text, in its prompt, its answer so far and past answers (``spec/suffix.py``), up to ``lookup_depth``
+    tokens a step (0: off), trusted behind a match of at least ``lookup_min_match`` tokens (the first
+    proposed token was right 94% of the time after 8 or more on SmolLM2's answers, ``spec/lookup.py``),
+    greedy requests only; ``cache_tokens`` of past answers are kept.
+    ``priced``: the draft length of a step is the one with the most expected tokens per millisecond
+    (``cost.py``); off, every step verifies the longest trusted proposal (for tests)."""
 
     lookup_depth: int = 0
     lookup_min_match: int = 8
+    priced: bool = True
+    cache_tokens: int = SuffixConfig.cache_tokens
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,21 @@ class StepRecord:
     active_slots: int
     waiting: int
     decode_s: float
+    pad_rows: int = 0
+    reused: int = 0  # prompt tokens found in a slot's cells by the requests admitted this step
+
+
+MATCH_BUCKETS = (8, 16, 32)  # match lengths from which drafts are trusted, counted apart (the first: lookup_min_match)
+
+
+@dataclass
+class Proposal:
+    """A generating slot's drafts this step: ``tokens[:sure]`` behind a long match, the rest guesses."""
+
+    tokens: list[int] = field(default_factory=list)
+    sure: int = 0
+    room: int = 0  # the most drafts this slot may verify (its answer budget and context)
+    bucket: int = 0  # MATCH_BUCKETS entry of the match behind the trusted drafts
 
 
 class Engine:
@@ -54,7 +79,14 @@ class Engine:
     def __init__(self, target: SequenceTarget, *, max_waiting: int = 16, drafting: Drafting = Drafting()) -> None:
         self.target = target
         self.drafting = drafting
-        self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows)
+        self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx)
+        self.cost = StepCost()
+        # acceptance of trusted drafts by the length of the match behind them (an exact repeat of a past answer
+        # matches far back and is copied almost whole), and of guesses that only fill the batch's width
+        self.trusted = {b: Acceptance(prior=p) for b, p in zip(MATCH_BUCKETS, (0.8, 0.9, 0.95))}
+        self.guess = Acceptance(prior=0.1)
+        self.suffix_cache = SuffixCache(SuffixConfig(max_depth=max(1, drafting.lookup_depth),
+                                                     cache_tokens=drafting.cache_tokens))
 
     def submit(self, request: Request) -> None:
         """Queue ``request`` (FIFO); ``QueueFull`` when ``max_waiting`` already wait."""
@@ -67,6 +99,35 @@ class Engine:
     def idle(self) -> bool:
         return not self.scheduler.active and not self.scheduler.waiting
 
+    def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3, context: int = 256) -> StepCost:
+        """Measure one micro-batch at several fills on this machine, before any request: the prices ``_choose``
+        starts from (single-micro-batch steps keep them current).  Laid out as steps are (the rows spread
+        evenly over consecutive sequences, each holding ``context`` cells already, as a request in flight
+        does); every sequence is left empty."""
+        if not self.idle:
+            raise RuntimeError("calibrate an engine before it serves")
+        t = self.target
+        n_seq, ub = t.options.n_seq, t.options.max_rows
+        context = max(0, min(context, t.seq_ctx - ub - 1))
+        for seq in range(n_seq):
+            for start in range(0, context, ub):
+                t.decode([Row(seq, 0, p, False) for p in range(start, min(context, start + ub))])
+        for n in (n for n in rows if n <= min(ub, t.options.batch_rows)):
+            seqs = next(k for k in range(min(n, n_seq), 0, -1) if n % k == 0)  # n = seqs x rows each
+            batch = [Row(seq, 0, context + i, True) for seq in range(seqs) for i in range(n // seqs)]
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                t.decode(batch)
+                samples.append(1e3 * (time.perf_counter() - t0))
+                for seq in range(seqs):
+                    t.keep(seq, context)
+            self.cost.set_median(n, samples)
+        for slot in self.scheduler.slots:
+            t.clear(slot.seq)
+            slot.cached = []
+        return self.cost
+
     def step(self) -> tuple[StepRecord | None, list[Request]]:
         """Admit, decode one batch, pick tokens; returns the step's record (None if nothing ran) and
         the requests that finished in it (their slots are free again)."""
@@ -75,55 +136,119 @@ class Engine:
         for slot in sch.active:  # a cancelled request leaves before the decode: its slot is free this step
             if slot.request.cancelled:
                 _end(slot.request, "cancelled")
-                finished.append(sch.release(slot))
-        for slot in sch.admit(lookup=self.drafting.lookup_depth > 0):
-            self.target.clear(slot.seq)
-        self._propose()
-        rows = sch.rows()
-        if not rows:
+                finished.append(self._release(slot))
+        reused = 0
+        for a in sch.admit(self.suffix_cache if self.drafting.lookup_depth > 0 else None):
+            self.target.keep(a.slot.seq, a.reuse)  # the cells of the prompt's start stay, the rest leave
+            reused += a.reuse
+        proposals = self._propose()
+        ks = self._choose(proposals)
+        for slot, prop in proposals.items():
+            k = ks.get(slot, 0)
+            slot.drafts, slot.sure, slot.bucket = prop.tokens[:k], min(prop.sure, k), prop.bucket
+        plan = sch.plan(ks)
+        if not plan.rows:
             return None, finished
         n_active = len(sch.active)
         t0 = time.perf_counter()
-        logits = self.target.decode([r for _, r, _ in rows])
+        logits = self.target.decode([r for _, r, _ in plan.rows])
         decode_s = time.perf_counter() - t0
+        counts = [(seq, sum(1 for _, r, _ in plan.rows if r.seq == seq)) for seq in dict.fromkeys(
+            r.seq for _, r, _ in plan.rows)]
+        if len(micro_batches(counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
+            self.cost.observe(len(plan.rows), 1e3 * decode_s)
         accepted = 0
-        for slot, outs in _outputs_by_slot(rows).items():
-            n_drafts = len(slot.drafts)
+        trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}
+        for slot, outs in _outputs_by_slot(plan.rows).items():
+            if slot.free:
+                continue
             if slot.prefilling:
-                slot.fed += sum(1 for s, _, kind in rows if s is slot and kind == "prompt")
+                slot.fed += sum(1 for s, _, kind in plan.rows if s is slot and kind == "prompt")
             if outs:
                 accepted += self._accept(slot, [logits[j] for j in outs])
             if slot.request.done:
-                finished.append(sch.release(slot))
-            elif n_drafts:
-                self.target.keep(slot.seq, slot.n_past)  # rejected draft cells leave, newest first
-        kinds = [kind for _, _, kind in rows]
-        record = StepRecord(len(rows), kinds.count("prompt"), kinds.count("plain"), kinds.count("draft"), accepted,
-                            n_active, len(sch.waiting), decode_s)
+                finished.append(self._release(slot))
+                trim.discard(slot)
+        for slot in trim:  # rejected drafts and pad rows leave, newest first
+            self.target.keep(slot.seq, slot.n_past)
+        kinds = [kind for _, _, kind in plan.rows]
+        record = StepRecord(len(plan.rows), kinds.count("prompt"), kinds.count("plain"), kinds.count("draft"),
+                            accepted, n_active, len(sch.waiting), decode_s, kinds.count("pad"), reused)
         return record, finished
 
-    def _propose(self) -> None:
-        """Each generating greedy slot's prompt-lookup proposal, where its match is long enough."""
+    def _release(self, slot: Slot) -> Request:
+        """Free ``slot``; its cells keep the request's text for a later prompt that starts alike."""
+        request = self.scheduler.release(slot)
+        self.target.keep(slot.seq, slot.n_past)
+        return request
+
+    def _propose(self) -> dict[Slot, Proposal]:
+        """Each generating greedy slot's prompt-lookup drafts, up to ``lookup_depth``: trusted behind a match
+        of ``lookup_min_match`` tokens, else guesses (a shorter match's continuation, else the pending token
+        repeated) that fill the batch's width when other slots draft."""
         d = self.drafting
-        for slot in self.scheduler.active:
-            slot.drafts = []
-            if slot.lookup is None or slot.pending is None:
+        out: dict[Slot, Proposal] = {}
+        if d.lookup_depth <= 0:
+            return out
+        for slot in self.scheduler.generating:
+            if slot.suffix is None:
                 continue
             req = slot.request
             room = min(d.lookup_depth, req.max_new_tokens - len(req.out),
                        self.target.seq_ctx - 1 - (slot.n_past + 1))
             if room <= 0:
                 continue
-            drafts, matched = slot.lookup.propose_matched(room)
-            if matched >= d.lookup_min_match:
-                slot.drafts = drafts
+            prop = slot.suffix.propose(tree=False, max_depth=room)
+            tokens = prop.chain[:room] if prop is not None else []
+            match = prop.match if prop is not None else 0
+            sure = len(tokens) if match >= d.lookup_min_match else 0
+            bucket = max((b for b in MATCH_BUCKETS if match >= b), default=MATCH_BUCKETS[0])
+            fill = tokens[-1] if tokens else slot.pending
+            out[slot] = Proposal(tokens + [fill] * (room - len(tokens)), sure, room, bucket)
+        return out
+
+    def _choose(self, proposals: dict[Slot, Proposal]) -> dict[Slot, int]:
+        """Drafts per generating slot this step: of a few layouts (none; every proposing slot as deep, guesses
+        filling; each slot its trusted drafts only, and that less one slot at a time), the one with the most
+        expected tokens per millisecond of the whole step, its micro-batches priced as llama.cpp will cut them
+        (``cost.micro_batches``).  Unpriced: every proposing slot as deep as the longest trusted proposal."""
+        sure = {slot: p.sure for slot, p in proposals.items() if p.sure}
+        if not sure:
+            return {}
+        deepest = max(sure.values())
+        cap = self.target.options.batch_rows
+
+        def fits(ks: dict[Slot, int]) -> bool:
+            return sum(n for _, n in self.scheduler.counts(ks)) <= cap
+
+        if not self.drafting.priced:
+            for k in range(deepest, 0, -1):
+                ks = {slot: min(k, p.room) for slot, p in proposals.items()}
+                if fits(ks):
+                    return ks
+            return {}
+        if not self.cost.known:  # no probe ran (``calibrate``): steps price the rows once two fills are seen
+            return {}
+        n_gen = len(self.scheduler.generating)
+        candidates = [{}, dict(sure)]
+        candidates += [{slot: min(k, p.room) for slot, p in proposals.items()} for k in range(1, deepest + 1)]
+        candidates += [{s: k for s, k in sure.items() if s is not drop} for drop in sure] if len(sure) > 1 else []
+        best, best_value = {}, -1.0
+        for ks in filter(fits, candidates):
+            gain = sum(expected_accepted([self.trusted[proposals[s].bucket].rate if i < proposals[s].sure
+                                          else self.guess.rate for i in range(k)]) for s, k in ks.items())
+            ms = sum(self.cost.at(n) for n in micro_batches(self.scheduler.counts(ks), self.target.options.max_rows))
+            value = (n_gen + gain) / ms
+            if value > best_value:
+                best, best_value = ks, value
+        return best
 
     def _accept(self, slot: Slot, logits: list[np.ndarray]) -> int:
         """Greedy acceptance of the slot's rows: row i's token is kept, and row i+1 counts only if row i's
         token is the draft decoded there; returns the drafts accepted.  ``slot.pending`` is the last
         kept token (its cell is not in the cache yet)."""
-        drafts = slot.drafts
-        slot.drafts = []
+        drafts, sure = slot.drafts, slot.sure
+        slot.drafts, slot.sure = [], 0
         slot.pending = None
         accepted = 0
         for i, row in enumerate(logits):
@@ -135,8 +260,12 @@ class Engine:
                 continue
             slot.pending = token
             break
-        if slot.lookup is not None:
-            slot.lookup.extend(slot.request.out[len(slot.lookup.tokens) - len(slot.request.prompt):])
+        if drafts:
+            reached = min(accepted + 1, len(drafts))
+            self.trusted[slot.bucket].count(min(reached, sure), min(accepted, sure))
+            self.guess.count(max(0, reached - sure), max(0, accepted - sure))
+        if slot.suffix is not None:
+            slot.suffix.extend(slot.request.out[len(slot.suffix.output):])
         slot.request.drafted += len(drafts)
         slot.request.accepted += accepted
         return accepted

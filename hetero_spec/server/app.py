@@ -47,14 +47,15 @@ def create_app(load: Callable[[], Any], server: ServerConfig, options: dict | No
 
     ``slots`` > 1: ``load()`` builds a ``SequenceTarget`` of that many sequences instead, and requests
     decode together in the batched engine (``slot_worker.py``; plain rows, and prompt-lookup rows unless
-    ``options["lookup"]`` is False)."""
+    ``options["lookup"]`` is False or ``options["draft_len"]`` is 0, as ``--no-draft`` makes it)."""
     queue = RequestQueue(server.max_queue, slots)
     metrics = Metrics(queue_depth=lambda: queue.depth, busy=lambda: queue.busy, slots=slots)
     if slots > 1:
         from ..engine import Drafting
         from .slot_worker import LOOKUP_DEPTH, SlotWorker
 
-        lookup = (options or {}).get("lookup", True)
+        opts = options or {}
+        lookup = opts.get("lookup", True) and opts.get("draft_len", "auto") != 0  # --no-draft: plain rows only
         worker = SlotWorker(load, queue, metrics, slots, Drafting(lookup_depth=LOOKUP_DEPTH if lookup else 0))
     else:
         worker = Worker(load, queue, metrics, options or {})

@@ -75,10 +75,17 @@ def slot_loader(engine: EngineConfig):
     ``--ctx`` cells each, on that thread."""
 
     def load():
+        from ..target.invariance import exact_micro_batch
+        from ..target.llama_target import BATCH_INVARIANT_ROWS
         from ..target.sequences import SequenceOptions, SequenceTarget
 
+        rows = exact_micro_batch(engine.model, threads=engine.threads, kv_type=engine.kv_type)
+        if rows < BATCH_INVARIANT_ROWS:
+            log.warning("%s is bit-exact only up to %d rows a decode on this machine: micro-batches of %d "
+                        "(docs/exactness.md)", engine.model.name, rows, rows)
         return SequenceTarget(engine.model, SequenceOptions(n_seq=engine.parallel, seq_ctx=engine.n_ctx,
-                                                            n_threads=engine.threads, kv_type=engine.kv_type))
+                                                            n_threads=engine.threads, kv_type=engine.kv_type,
+                                                            max_rows=min(rows, BATCH_INVARIANT_ROWS)))
 
     return load
 

@@ -39,13 +39,19 @@ class Metrics:
         Gauge(f"{PREFIX}_slots", "slots (sequences decoded together; --parallel)", registry=r).set(slots)
         Gauge(f"{PREFIX}_slot_occupancy", "share of the slots in use", registry=r).set_function(
             lambda: busy() / slots)
-        # engine steps (--parallel): rows per llama_decode, and rows by kind (prompt, plain, draft), so the
-        # drafted-row share is rate(rows_total{kind="draft"}) / rate(rows_total)
+        # engine steps (--parallel): rows per llama_decode, and rows by kind (prompt, plain, draft, and pad:
+        # rows that keep the slots in one micro-batch), so the drafted-row share is
+        # rate(rows_total{kind="draft"}) / rate(rows_total)
         self.step_rows = Histogram(f"{PREFIX}_step_rows", "rows in one engine step's llama_decode",
-                                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
+                                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
         self.rows = Counter(f"{PREFIX}_rows", "rows decoded by engine steps, by kind", ["kind"], registry=r)
-        for kind in ("prompt", "plain", "draft"):
+        for kind in ("prompt", "plain", "draft", "pad"):
             self.rows.labels(kind)
+        self.accepted_rows = Counter(f"{PREFIX}_accepted_rows", "draft rows of engine steps the target accepted",
+                                     registry=r)
+        self.reused_prompt = Counter(f"{PREFIX}_reused_prompt_tokens", "prompt tokens a request found in its "
+                                     "slot's cells (an earlier turn, a shared prefix) instead of decoding them",
+                                     registry=r)
         self.decode_steps = Counter(f"{PREFIX}_decode_steps", "engine steps (one llama_decode each)", registry=r)
         self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "time from arrival to the model taking a request",
                                     buckets=LATENCY_BUCKETS, registry=r)

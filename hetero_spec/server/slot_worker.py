@@ -5,9 +5,9 @@ one request at a time through ``HeteroSpec`` it keeps up to N requests in the sl
 ``hetero_spec.engine.Engine``: each step is one ``llama_decode`` holding every active slot's rows.
 The model is loaded, used and closed on this thread (``worker.py`` says why).
 
-Plain rows and, for greedy requests behind long matches, prompt-lookup draft rows; no draft model
-in the steps yet.  Greedy answers equal
-the same request served alone, bit for bit (tests/integration/test_engine.py checks the logits;
+Plain rows and, for greedy requests, prompt-lookup draft rows, as many per step as pay on the
+whole batch (``engine/cost.py``); no draft model in the steps yet.  Greedy answers equal the same
+request served alone, bit for bit (tests/integration/test_engine.py checks the logits;
 tests/integration/test_server.py the texts through the server).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .queue import Job, RequestQueue
 from .worker import FINISH_REASONS, STREAM_FLUSH_S, ModelThread, Work
 
 log = logging.getLogger("hetero_spec.server")
-LOOKUP_DEPTH = 4  # longest prompt-lookup chain a slot verifies in a step (as auto's, api.AUTO_LOOKUP_DEPTH)
+LOOKUP_DEPTH = 16  # longest copy-draft chain a slot verifies in a step (long ones only behind long matches)
 
 
 @dataclass(eq=False)
@@ -66,6 +66,8 @@ class SlotWorker(ModelThread):
 
     def _opened(self, target: SequenceTarget) -> None:
         self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
+        if self.drafting.lookup_depth > 0:  # prices the draft rows of a step before the first request
+            self.engine.calibrate()
 
     def retry_after(self) -> int:
         waves = (self.queue.depth + 1) / self.n_slots
@@ -212,6 +214,9 @@ class SlotWorker(ModelThread):
         m.rows.labels("prompt").inc(record.prompt_rows)
         m.rows.labels("plain").inc(record.plain_rows)
         m.rows.labels("draft").inc(record.draft_rows)
+        m.rows.labels("pad").inc(record.pad_rows)
+        m.accepted_rows.inc(record.accepted)
+        m.reused_prompt.inc(record.reused)
         m.decode_steps.inc()
 
     def _fail_all(self) -> None:
@@ -223,7 +228,9 @@ class SlotWorker(ModelThread):
         target = self.engine.target
         for slot in self.engine.scheduler.slots:
             target.clear(slot.seq)
+        cost = self.engine.cost
         self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
+        self.engine.cost = cost
 
 
 def prompt_tokens(target, work: Work) -> list[int]:

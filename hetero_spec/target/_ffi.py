@@ -194,11 +194,12 @@ class ContextHandle:
         kv_unified: bool = False,
         flash_attn: int | None = None,
         kv_type: int | None = None,
+        n_ubatch: int = 0,
     ) -> None:
         params = C.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
-        params.n_ubatch = n_batch
+        params.n_ubatch = n_ubatch or n_batch  # micro-batch: the rows one graph computes at once
         params.n_seq_max = n_seq_max
         params.n_threads = n_threads
         params.n_threads_batch = n_threads

@@ -14,8 +14,15 @@ being served.  What makes that hold (tested in ``tests/integration/test_engine.p
 - a KV stream per sequence (``kv_unified=False``, the default): a sequence's cells then sit in
   position order in its own stream, whatever the other sequences did.  Measured: one unified cache
   is exact while no sequence is reused, and drifts by up to 0.94 once a cleared sequence's cells are
-  refilled (newer tokens in cells before older ones; attention sums in cell order).  It is faster
-  (a 4-row step 15.8 ms against 23.5 ms on SmolLM2, 2 threads), so worth making exact later.
+  refilled (llama.cpp then puts newer tokens in cells before older ones; attention sums in cell order).
+
+Speed with a stream per sequence: llama.cpp cuts a decode into micro-batches with ``split_equal``,
+which takes the same number of rows from each sequence, and only from sequences whose ids follow
+each other in batch order (``llama_batch_allocr::split_equal``, "accept only increasing sequence
+ids").  Rows of sequences 1, 0, 2, 3 cost two passes over the weights (25.3 ms on SmolLM2 Q4_0,
+2 threads, against 14.1 ms for 0, 1, 2, 3), and 3, 2, 1, 0 four (36.2 ms).  So the engine sorts its
+rows by sequence, gives every sequence in the span the same number of rows, and pads a gap with
+rows it removes afterwards (``engine/scheduler.py``).
 """
 from __future__ import annotations
 
@@ -39,12 +46,20 @@ class SequenceOptions:
     n_threads: int = 0  # 0 = every core
     kv_type: str = DEFAULT_KV_TYPE
     kv_unified: bool = False  # one KV stream shared by all sequences (see the module docstring)
-    max_rows: int = BATCH_INVARIANT_ROWS  # rows per llama_decode
+    max_rows: int = BATCH_INVARIANT_ROWS  # rows per micro-batch (llama.cpp's n_ubatch): the exactness bound
+    capacity: int = 0  # rows per llama_decode call, cut into micro-batches by llama.cpp; 0: 16 per sequence + max_rows
 
     def __post_init__(self) -> None:
         if self.n_seq < 1 or self.seq_ctx < 16 or not 1 <= self.max_rows <= BATCH_INVARIANT_ROWS:
             raise TargetError(f"need n_seq >= 1, seq_ctx >= 16 and 1 <= max_rows <= {BATCH_INVARIANT_ROWS}, "
                               f"not {self.n_seq}, {self.seq_ctx}, {self.max_rows}")
+        if self.capacity < 0:
+            raise TargetError(f"capacity must be >= 0, not {self.capacity}")
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows one ``decode`` takes."""
+        return self.capacity or 16 * self.n_seq + self.max_rows
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,12 @@ class SequenceTarget(Vocabulary, Owners):
         try:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self.n_threads = options.n_threads or default_threads()
-            self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.max_rows,
+            self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.batch_rows,
+                                      n_ubatch=options.max_rows,
                                       n_threads=self.n_threads, embeddings=False, n_seq_max=options.n_seq,
                                       kv_unified=options.kv_unified, flash_attn=-1,
                                       kv_type=kv_type_id(options.kv_type, self._model))
-            self._batch = BatchHandle(options.max_rows, n_seq_max=1)
+            self._batch = BatchHandle(options.batch_rows, n_seq_max=1)
         except BaseException:
             self.close()
             raise
@@ -83,8 +99,8 @@ class SequenceTarget(Vocabulary, Owners):
         self.n_ctx = options.seq_ctx  # what one request may use, as LlamaTarget.n_ctx
 
     def decode(self, rows: list[Row]) -> np.ndarray:
-        """One ``llama_decode`` of ``rows`` (at most ``max_rows``); the logits of the rows marked
-        ``output``, in row order: ``[n_output, n_vocab] float32``, a view valid until the next decode."""
+        """One ``llama_decode`` of ``rows`` (at most ``batch_rows``; llama.cpp cuts it into micro-batches of at
+        most ``max_rows``); the logits of the rows marked ``output``, in row order: ``[n_output, n_vocab] float32``, a view valid until the next decode."""
         n = len(rows)
         b = self._batch
         if not 0 < n <= b.capacity:

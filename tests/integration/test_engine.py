@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hetero_spec.config import SamplingConfig
-from hetero_spec.engine import Drafting, Engine, QueueFull, Request
+from hetero_spec.engine import Drafting, Engine, QueueFull, Request, StepCost
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
 
@@ -68,11 +68,13 @@ UNIFIED_DRIFTS = pytest.mark.xfail(strict=True, reason="a unified KV cache is no
                          ids=["stream-per-sequence", "unified-kv"])
 @pytest.mark.parametrize("lookup", [0, 4], ids=["plain", "lookup"])
 def test_slots_equal_single_sequence_bit_for_bit(model_path, prompts, reference, kv_unified, lookup):
-    """With prompt-lookup rows too (behind matches of 2+ tokens, so they fire often): a verified draft row's
-    logits are those of decoding its token alone."""
+    """With prompt-lookup rows too (trusted behind matches of 2+ tokens, so they fire often, and not priced, so
+    every generating slot verifies as many rows, guesses and pads included): a verified draft row's logits are
+    those of decoding its token alone."""
     opts = SequenceOptions(n_seq=3, seq_ctx=SEQ_CTX, n_threads=1, kv_unified=kv_unified)
     with SequenceTarget(model_path, opts) as target:
-        engine = Engine(target, max_waiting=8, drafting=Drafting(lookup_depth=lookup, lookup_min_match=2))
+        engine = Engine(target, max_waiting=8,
+                        drafting=Drafting(lookup_depth=lookup, lookup_min_match=2, priced=False))
         requests = [Request(p, n, keep_logits=True) for p, n in zip(prompts, MAX_NEW)]
         engine.submit(requests[0])
         engine.submit(requests[1])
@@ -144,3 +146,95 @@ def test_generate_many_fifo_queue_and_cancel(model_path, prompts, reference):
         for _ in engine.run():
             pass
     assert second.stop_reason in ("eog", "max_tokens") and third.done and fourth.done
+
+
+def assert_cells_hold_only_text(engine: Engine) -> None:
+    """Every sequence holds exactly its slot's text: no pad row or rejected draft left behind."""
+    for slot in engine.scheduler.slots:
+        assert engine.target.pos_max(slot.seq) == slot.n_past - 1, (slot.seq, slot.n_past)
+
+
+def test_layout_sorted_equal_width_and_pads_removed(model_path, prompts, reference):
+    """The middle slot finishes first and nobody waits: the next steps pad it so that the other two stay in one
+    micro-batch, every step's rows are sorted by sequence with the same width each, and the pads leave."""
+    opts = SequenceOptions(n_seq=3, seq_ctx=SEQ_CTX, n_threads=1)
+    order = [0, 3, 4]  # 12, 6 and 18 new tokens: the one in slot 1 ends first
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=8, drafting=Drafting(lookup_depth=3, lookup_min_match=2, priced=False))
+        requests = [Request(prompts[i], MAX_NEW[i], keep_logits=True) for i in order]
+        for r in requests:
+            engine.submit(r)
+        pads = 0
+        while not engine.idle:
+            record, _ = engine.step()
+            assert_cells_hold_only_text(engine)
+            pads += record.pad_rows if record else 0
+            gen = engine.scheduler.generating
+            if len(gen) >= 2:
+                plan_rows = engine.scheduler.plan({}).rows
+                seqs = [row.seq for _, row, _ in plan_rows]
+                assert seqs == sorted(seqs) and sorted(set(seqs)) == list(range(seqs[0], seqs[-1] + 1))
+    assert pads > 0, "no step padded the free middle slot"
+    for req, i in zip(requests, order):
+        out, logits = reference[i]
+        assert req.out == out and all(np.array_equal(a, b) for a, b in zip(req.logits, logits))
+
+
+def test_second_turn_reuses_its_slot_cells_exactly(model_path, single, prompts):
+    """Turn 2 of a conversation takes the slot that holds turn 1 (another request took the empty slot in
+    between), starts from the cells it finds there, and answers as if decoded alone, logits bit for bit."""
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=4)
+        first = Request(prompts[2], 10)
+        engine.submit(first)
+        for _ in engine.run():
+            pass
+        other = Request(prompts[0], 4)
+        engine.submit(other)
+        engine.step()
+        assert engine.scheduler.slots[1].request is other  # the empty slot, not the one holding turn 1
+        follow_up = first.prompt + first.out + single.tokenize(" Then the keeper", add_special=False)
+        second = Request(follow_up, 12, keep_logits=True)
+        engine.submit(second)
+        record, _ = engine.step()
+        assert engine.scheduler.slots[0].request is second
+        assert record.reused == len(first.prompt) + len(first.out) - 1
+        for _ in engine.run():
+            pass
+        assert_cells_hold_only_text(engine)
+    out, logits = decode_alone(single, follow_up, 12)
+    assert second.out == out and all(np.array_equal(a, b) for a, b in zip(second.logits, logits))
+
+
+def test_draft_rows_priced_on_the_batch(model_path, prompts):
+    """The probe measures a decode at several fills; with rows priced nearly free the repeating prompts draft,
+    and with every extra row as dear as a decode of its own nothing drafts."""
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=4, drafting=Drafting(lookup_depth=4, lookup_min_match=2))
+        cost = engine.calibrate(rows=(1, 8, 32), repeats=2, context=64)
+        assert set(cost.ms) == {1, 8, 32} and cost.ms[32] > cost.ms[1]
+        assert all(target.pos_max(s.seq) == -1 for s in engine.scheduler.slots)
+
+        def drafted(step_cost: StepCost) -> int:
+            step_cost.observe = lambda rows, ms: None  # the prices stay what the test says
+            engine.cost = step_cost
+            for p in (prompts[1], prompts[1]):
+                engine.submit(Request(p, 24))
+            return sum(rec.draft_rows for rec, _ in engine.run() if rec)
+
+        assert drafted(StepCost({1: 10.0, 64: 10.5})) > 0
+        assert drafted(StepCost({1: 10.0, 2: 20.0, 64: 640.0})) == 0
+
+
+def test_micro_batches_follow_split_equal():
+    """The pricing's model of llama.cpp's split (``split_equal``, sequential): one micro-batch for the same rows
+    from consecutive sequences, more for a gap or unequal rows, at most 32 rows each."""
+    from hetero_spec.engine.cost import micro_batches
+
+    assert micro_batches([(0, 1), (1, 1), (2, 1), (3, 1)], 32) == [4]
+    assert micro_batches([(0, 1), (2, 1), (3, 1)], 32) == [1, 2]
+    assert micro_batches([(0, 5), (1, 1), (2, 5), (3, 1)], 32) == [4, 4, 4]
+    assert micro_batches([(s, 5) for s in range(8)], 32) == [32, 8]
+    assert micro_batches([(0, 1), (1, 33)], 32) == [2, 32]

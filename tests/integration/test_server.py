@@ -132,7 +132,7 @@ def metric(http, name: str, default: float | None = None) -> float:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    srv = ServerProcess(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "--api-key", KEY, "--max-queue", 8,
+    srv = ServerProcess(model_path, "--no-draft", "--parallel", 1, "-t", 1, "--ctx", CTX, "--api-key", KEY, "--max-queue", 8,
                         "--queue-timeout", 120, "--max-body", MAX_BODY)
     yield srv
     assert srv.stop() == 0, "\n".join(srv.lines[-20:])
@@ -306,7 +306,7 @@ def test_streaming_request_refused_before_the_stream(client, model_id):
 
 
 # ------------------------------------------------------------------ load and disconnects
-CONCURRENT = 50
+CONCURRENT = 64
 PROMPTS = ["Name a colour.", "Name a fruit.", "Say hello.", "Name a planet.", "Count to three."]
 
 
@@ -325,7 +325,7 @@ def _client_with_retries(url: str, body: dict, start: threading.Barrier, attempt
     return statuses, {}
 
 
-def test_fifty_concurrent_clients(server, http):
+def test_sixty_four_concurrent_clients(server, http):
     reference = {p: http.post("/v1/chat/completions", json=chat_body(p, max_tokens=8)).json() for p in PROMPTS}
     rss_before = server.rss_kib()
     start = threading.Barrier(CONCURRENT)
@@ -338,7 +338,7 @@ def test_fifty_concurrent_clients(server, http):
         expected = reference[body["messages"][0]["content"]]
         assert out["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
         assert out["usage"] == expected["usage"]
-    assert any(429 in s for s, _ in results), "50 simultaneous clients never filled a queue of 8"
+    assert any(429 in s for s, _ in results), f"{CONCURRENT} simultaneous clients never filled a queue of 8"
     assert metric(http, "hetero_spec_queue_depth") == 0 and metric(http, "hetero_spec_busy") == 0
     rss_after = server.rss_kib()
     assert abs(rss_after - rss_before) <= 0.10 * rss_before, (rss_before, rss_after)
@@ -381,7 +381,7 @@ def test_serve_without_a_draft_copies_from_the_text_and_stays_exact(model_path):
     """No DRAFT and no --no-draft: auto drafts from the suffix structure over the prompt and the answer,
     and the greedy text is still plain decoding's."""
     prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
-    srv = ServerProcess(model_path, "-t", 1, "--ctx", CTX)
+    srv = ServerProcess(model_path, "--parallel", 1, "-t", 1, "--ctx", CTX)
     try:
         with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
             resp = c.post("/v1/chat/completions", json=chat_body(prompt, max_tokens=48))
@@ -397,7 +397,8 @@ def test_serve_without_a_draft_copies_from_the_text_and_stays_exact(model_path):
 
 @pytest.fixture(scope="module")
 def tight_server(model_path):
-    srv = ServerProcess(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "--max-queue", 1, "--queue-timeout", 2)
+    srv = ServerProcess(model_path, "--no-draft", "--parallel", 1, "-t", 1, "--ctx", CTX, "--max-queue", 1,
+                        "--queue-timeout", 2)
     yield srv
     assert srv.stop() == 0, "\n".join(srv.lines[-20:])
 
@@ -648,7 +649,7 @@ def test_parallel_health_lists_slots_and_metrics_show_steps(slot_http):
     assert steps > 0 and metric(slot_http, "hetero_spec_step_rows_count") == steps
     assert metric(slot_http, 'hetero_spec_rows_total{kind="plain"}') > 0
     assert metric(slot_http, 'hetero_spec_rows_total{kind="prompt"}') > 0
-    assert metric(slot_http, 'hetero_spec_rows_total{kind="draft"}') == 0  # no draft rows in the engine yet
+    assert metric(slot_http, 'hetero_spec_rows_total{kind="draft"}') == 0  # --no-draft: no lookup rows either
 
 
 def test_parallel_client_killed_mid_stream_frees_its_slot(slot_server, slot_http):
@@ -667,10 +668,11 @@ def test_parallel_client_killed_mid_stream_frees_its_slot(slot_server, slot_http
     assert metric(slot_http, "hetero_spec_busy") == 0
 
 
-def test_parallel_fifty_clients_bounded_queue(slot_server, slot_http):
-    """More clients than slots + queue: refusals are JSON 429s, every request is served in the end, and the
-    answers are the ones served alone."""
+def test_parallel_sixty_four_clients_bounded_queue(slot_server, slot_http):
+    """More clients than slots + queue: refusals are JSON 429s, every request is served in the end, the
+    answers are the ones served alone, and resident memory stays where it was."""
     reference = {p: slot_http.post("/v1/chat/completions", json=chat_body(p, max_tokens=8)).json() for p in PROMPTS}
+    rss_before = slot_server.rss_kib()
     start = threading.Barrier(CONCURRENT)
     bodies = [chat_body(PROMPTS[i % len(PROMPTS)], max_tokens=8) for i in range(CONCURRENT)]
     with concurrent.futures.ThreadPoolExecutor(CONCURRENT) as pool:
@@ -682,6 +684,8 @@ def test_parallel_fifty_clients_bounded_queue(slot_server, slot_http):
         assert out["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
     assert any(429 in s for s, _ in results)
     assert metric(slot_http, "hetero_spec_queue_depth") == 0 and metric(slot_http, "hetero_spec_busy") == 0
+    rss_after = slot_server.rss_kib()
+    assert abs(rss_after - rss_before) <= 0.10 * rss_before, (rss_before, rss_after)
 
 
 def test_parallel_with_a_draft_is_refused_in_one_line(model_path):
@@ -689,3 +693,24 @@ def test_parallel_with_a_draft_is_refused_in_one_line(model_path):
                           text=True, timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: --parallel > 1 decodes plainly"), proc.stderr
+
+
+def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_path, http):
+    """``serve MODEL`` with no draft model: 4 slots (llama-server's default), prompt-lookup rows priced on the
+    batch, and greedy answers equal to the one-sequence server's."""
+    prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
+    cases = [prompt, *PROMPTS[:3]]
+    alone = [http.post("/v1/chat/completions", json=chat_body(p, max_tokens=48)).json() for p in cases]
+    srv = ServerProcess(model_path, "-t", 1, "--ctx", CTX)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
+            assert len(c.get("/health").json()["slots"]) == 4
+            with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+                got = list(pool.map(lambda p: c.post("/v1/chat/completions", json=chat_body(p, max_tokens=48)).json(),
+                                    cases))
+            for a, b in zip(alone, got):
+                assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+            assert metric(c, 'hetero_spec_rows_total{kind="draft"}') > 0
+            assert metric(c, "hetero_spec_accepted_rows_total") > 0
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.lines[-20:])

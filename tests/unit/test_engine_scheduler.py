@@ -1,8 +1,9 @@
-"""The engine's scheduler without a model: FIFO admission, the bound, and which rows a step holds."""
+"""The engine's scheduler without a model: FIFO admission, prefix affinity, the bound, and a step's layout."""
 from __future__ import annotations
 
 import pytest
 
+from hetero_spec.engine.cost import micro_batches
 from hetero_spec.engine.scheduler import QueueFull, Scheduler
 from hetero_spec.engine.slots import Request
 
@@ -14,39 +15,65 @@ def test_admission_is_fifo_into_free_slots_and_bounded():
         sch.submit(r)
     with pytest.raises(QueueFull):
         sch.submit(reqs[3])
-    assert [s.request for s in sch.admit()] == reqs[:2] and list(sch.waiting) == [reqs[2]]
+    assert [a.slot.request for a in sch.admit()] == reqs[:2] and list(sch.waiting) == [reqs[2]]
     assert sch.withdraw(reqs[2]) and not sch.withdraw(reqs[2]) and not sch.withdraw(reqs[0])
     sch.submit(reqs[3])
     sch.release(sch.active[0])
-    assert [s.request for s in sch.admit()] == [reqs[3]]
+    assert [a.slot.request for a in sch.admit()] == [reqs[3]]
     assert [s.request for s in sch.active] == [reqs[1], reqs[3]]  # oldest admission first
 
 
-def test_rows_give_every_generating_slot_a_token_then_prompt_chunks():
-    sch = Scheduler(n_slots=3, max_waiting=4, max_rows=8)
-    long_prompt = list(range(100, 120))  # 20 tokens: cut into chunks
-    for r in (Request([5, 6], 9), Request(long_prompt, 9), Request([7, 8, 9], 9)):
-        sch.submit(r)
-    a, b, c = sch.admit()
-    a.fed, a.pending = 2, 42  # a generates: its token sits at position 2
-    a.request.out.append(42)
-    rows = sch.rows()
-    assert [(s.seq, r.token, r.pos, r.output, kind) for s, r, kind in rows[:1]] == [(a.seq, 42, 2, True, "plain")]
-    assert [(s, r.pos) for s, r, _ in rows[1:]] == [(b, k) for k in range(7)]  # 8 rows: 1 plain + 7 prompt
-    assert not any(r.output for _, r, _ in rows[1:])  # no logits before a prompt's last row
-    b.fed = 19  # one prompt row left: the rest of the step goes to the next prefilling slot
-    rows = sch.rows()
-    assert [(s.seq, r.pos, r.output) for s, r, _ in rows[1:]] == [(b.seq, 19, True), (c.seq, 0, False),
-                                                                  (c.seq, 1, False), (c.seq, 2, True)]
+def test_a_prompt_goes_to_the_slot_holding_its_start():
+    """A follow-up takes the slot whose cells hold its first turn; a stranger takes the empty slot, not the one
+    whose cells it would throw away; a shared BOS alone is no reason to evict a cache."""
+    sch = Scheduler(n_slots=3, max_waiting=4, max_rows=32)
+    first = Request([1] + list(range(100, 140)), 4)
+    sch.submit(first)
+    (a,) = sch.admit()
+    a.slot.fed = len(first.prompt)
+    first.out += [7, 8, 9]
+    sch.release(a.slot)  # its cells keep the prompt and the answer but the last token
+    assert a.slot.cached == first.prompt + [7, 8]
+    stranger = Request([1, 5, 6], 4)
+    sch.submit(stranger)
+    (b,) = sch.admit()
+    assert b.slot is not a.slot and b.reuse == 0
+    follow_up = Request(first.prompt + [7, 8, 9, 50, 51], 4)
+    sch.submit(follow_up)
+    (c,) = sch.admit()
+    assert c.slot is a.slot and c.reuse == len(first.prompt) + 2 and c.slot.fed == c.reuse
 
 
-def test_draft_rows_follow_their_plain_row_and_take_only_the_room_left():
-    sch = Scheduler(n_slots=2, max_waiting=2, max_rows=6)
-    for r in (Request([5, 6], 9), Request(list(range(100, 104)), 9)):
+def test_layout_sorts_rows_pads_gaps_and_chunks_one_prompt():
+    sch = Scheduler(n_slots=4, max_waiting=4, max_rows=8)
+    long_prompt = list(range(100, 120))
+    reqs = [Request([5, 6], 9), Request(long_prompt, 9), Request([1, 2], 9), Request([7, 8, 9], 9)]
+    for r in reqs:
         sch.submit(r)
-    a, b = sch.admit()
-    a.fed, a.pending, a.drafts = 2, 42, [7, 8, 9, 10]
-    a.request.out.append(42)
-    rows = sch.rows()  # 1 plain + 4 prompt rows of b: room for one draft row
-    assert [kind for _, _, kind in rows] == ["plain", "prompt", "prompt", "prompt", "prompt", "draft"]
-    assert (rows[-1][1].token, rows[-1][1].pos, rows[-1][1].output) == (7, 3, True) and a.drafts == [7]
+    slots = [a.slot for a in sch.admit()]
+    s0, s1, s2, s3 = slots
+    for s, tok in ((s0, 42), (s3, 43)):  # slots 0 and 3 generate; 1 prefills; 2 waits behind it
+        s.fed, s.pending = len(s.request.prompt), tok
+        s.request.out.append(tok)
+    s2.fed = 0
+    s3.drafts = [70, 71]
+    plan = sch.plan({s3: 2, s0: 0})
+    seqs = [r.seq for _, r, _ in plan.rows]
+    assert seqs == sorted(seqs) and set(seqs) == {0, 1, 2, 3}
+    kinds = {seq: [k for _, r, k in plan.rows if r.seq == seq] for seq in range(4)}
+    assert kinds[0] == ["plain"] and kinds[3] == ["plain", "draft", "draft"]
+    assert kinds[1] == ["prompt"] * 9  # the oldest prefilling slot: the shared width (1) + a micro-batch (8)
+    assert kinds[2] == ["pad"]  # waits: one pad row keeps the first micro-batch whole
+    pad = next(r for _, r, k in plan.rows if k == "pad")
+    assert pad.pos == s2.n_past and not pad.output
+    assert sch.counts({s3: 2, s0: 0}) == [(seq, len(kinds[seq])) for seq in range(4)]
+    assert micro_batches(sch.counts({s3: 2, s0: 0}), 8) == [4, 8, 2]
+    assert micro_batches(sch.counts({}), 8) == [4, 8]  # no drafts: the width-1 micro-batch and the chunk's rest
+
+
+def test_chunk_rows_bound_by_the_micro_batch_and_the_prompt():
+    sch = Scheduler(n_slots=1, max_waiting=1, max_rows=8)
+    sch.submit(Request(list(range(100, 105)), 4))
+    (a,) = sch.admit()
+    rows = sch.plan({}).rows
+    assert [(r.pos, r.output) for _, r, _ in rows] == [(p, p == 4) for p in range(5)]

@@ -1,0 +1,95 @@
+"""Many prompts in, texts out: the batched engine behind ``serve --parallel``, for offline jobs in apps.
+
+``HeteroSpec`` holds one conversation and decodes one sequence at a time; a job that labels ten
+thousand rows wants every step to carry several of them instead (a decode reads the weights once for
+all its rows), with the same answers it would get one by one.
+
+>>> with BatchGenerator("SmolLM2-135M-Instruct.Q4_0.gguf", slots=4) as bg:
+...     outs = bg.chat([[{"role": "user", "content": q}] for q in questions], max_new_tokens=64)
+>>> outs[0].text, outs[0].stop_reason
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .chat_template import render_chat
+from .config import DEFAULT_KV_TYPE, SamplingConfig
+from .engine import Drafting, Engine, Request
+from .errors import HeteroSpecError
+from .target.invariance import exact_micro_batch
+from .target.llama_target import BATCH_INVARIANT_ROWS
+from .target.sequences import SequenceOptions, SequenceTarget
+
+COPY_DEPTH = 16  # longest copy-draft chain a slot verifies in a step (as the server's)
+
+
+@dataclass
+class BatchCompletion:
+    """One prompt's answer: its text, token ids (a final end-of-generation id included), why it stopped,
+    and how many draft rows were verified for it and accepted."""
+
+    text: str
+    tokens: list[int]
+    stop_reason: str
+    drafted: int
+    accepted: int
+
+
+class BatchGenerator:
+    """A GGUF target with ``slots`` sequences in one context; ``generate``/``chat`` answer lists of prompts.
+
+    Greedy answers are bit for bit those of decoding each prompt alone (``tests/integration/test_engine.py``);
+    ``drafts``: copy drafts (suffix matches over the prompt, the answer and earlier answers of the job),
+    priced on the batch; a seeded sampled answer draws the same tokens as alone."""
+
+    def __init__(self, model: str | Path, *, slots: int = 4, n_ctx: int = 4096, threads: int = 0,
+                 kv_type: str = DEFAULT_KV_TYPE, drafts: bool = True) -> None:
+        if not Path(model).is_file():
+            raise HeteroSpecError(f"no such model file: {model}")
+        rows = min(exact_micro_batch(model, threads=threads, kv_type=kv_type), BATCH_INVARIANT_ROWS)
+        self.target = SequenceTarget(model, SequenceOptions(n_seq=slots, seq_ctx=n_ctx, n_threads=threads,
+                                                            kv_type=kv_type, max_rows=rows))
+        self.engine = Engine(self.target, max_waiting=slots, drafting=Drafting(lookup_depth=COPY_DEPTH if drafts else 0))
+        if drafts:
+            self.engine.calibrate()
+
+    def close(self) -> None:
+        self.target.close()
+
+    def __enter__(self) -> "BatchGenerator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def chat(self, conversations: list[list[dict[str, str]]], **options) -> list[BatchCompletion]:
+        """Each conversation through the GGUF's chat template, answered as ``generate`` does."""
+        t = self.target
+        ids = [t.tokenize(render_chat(t.chat_template, msgs, bos_token=t.bos_token, eos_token=t.eos_token),
+                          add_special=False, parse_special=True) for msgs in conversations]
+        return self.generate(ids, **options)
+
+    def generate(self, prompts: list[str] | list[list[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
+                 seed: int = 0, progress: bool = True) -> list[BatchCompletion]:
+        """Answers in prompt order; text prompts get a BOS, token-id prompts go in as given.  Prompts enter the
+        slots as they free up, oldest first; a progress bar counts finished prompts."""
+        t = self.target
+        ids = [t.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p) for p in prompts]
+        for i, p in enumerate(ids):
+            if not p or len(p) >= t.seq_ctx:
+                raise HeteroSpecError(f"prompt {i} has {len(p)} tokens; a slot holds 1..{t.seq_ctx - 1}")
+        sampling = SamplingConfig(temperature=temperature, seed=seed)
+        requests = [Request(p, max_new_tokens, sampling=sampling, tag=i) for i, p in enumerate(ids)]
+        pending = list(reversed(requests))
+        sch = self.engine.scheduler
+        with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=not progress) as bar:
+            while pending or not self.engine.idle:
+                while pending and len(sch.waiting) < sch.max_waiting:
+                    self.engine.submit(pending.pop())
+                _, finished = self.engine.step()
+                bar.update(len(finished))
+        return [BatchCompletion(t.detokenize([x for x in r.out if not t.is_eog(x)]), r.out, r.stop_reason or "",
+                                r.drafted, r.accepted) for r in requests]

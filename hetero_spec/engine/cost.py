@@ -1,0 +1,108 @@
+"""What a step costs and what a draft row is worth, measured on this engine: the price of speculation in a batch.
+
+A draft row is a bet that rides in the same decode as other users' rows.  Alone, a few extra rows
+cost little (a decode reads the weights once); in a full batch every row adds compute, so the
+same bet can lose.  vLLM turns speculation down as the batch fills for this reason.  Here the
+engine measures instead of assuming:
+
+- ``StepCost``: milliseconds of one micro-batch by its rows, probed at several fills when the engine
+  starts (``Engine.calibrate``) and kept current from every step it runs;
+- ``Acceptance``: how often a verified draft row was right, for drafts from a long lookup match
+  and for guesses that only fill the batch, counted over the rows the target actually reached.
+
+A step's price is the sum of its micro-batches' prices, and ``micro_batches`` says which
+micro-batches llama.cpp will make of a layout (its ``split_equal``: the same number of rows from
+each of a run of consecutive sequences).  So one slot drafting alone costs a micro-batch of its own
+drafts, while every slot drafting as deep costs one wider micro-batch; the engine compares such
+choices (``Engine._choose``) by expected tokens per millisecond of the whole step, and drafts
+nothing when nothing pays.
+"""
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import dataclass, field
+
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # one micro-batch each: a step's price is the sum of its micro-batches'
+SMOOTHING = 0.2  # weight of a new step's time in the running estimate of its row count
+
+
+@dataclass
+class StepCost:
+    """Decode milliseconds by rows: measured points, linear in between and beyond."""
+
+    ms: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, rows: int, ms: float) -> None:
+        old = self.ms.get(rows)
+        self.ms[rows] = ms if old is None else (1 - SMOOTHING) * old + SMOOTHING * ms
+
+    def set_median(self, rows: int, samples: list[float]) -> None:
+        self.ms[rows] = statistics.median(samples)
+
+    @property
+    def known(self) -> bool:
+        return len(self.ms) >= 2
+
+    def at(self, rows: int) -> float:
+        if rows in self.ms:
+            return self.ms[rows]
+        xs = sorted(self.ms)
+        if not xs:
+            raise ValueError("no step has been measured")
+        if len(xs) == 1:
+            return self.ms[xs[0]] * rows / xs[0]
+        i = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)
+        x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = self.ms[x0], self.ms[x1]
+        return max(1e-3, y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
+
+
+@dataclass
+class Acceptance:
+    """P(the target accepts a draft token | it accepted the ones before it), for one kind of draft,
+    with a prior worth ``weight`` rows so that a few early rows do not swing it."""
+
+    prior: float
+    weight: float = 10.0
+    reached: int = 0
+    accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior * self.weight) / (self.reached + self.weight)
+
+    def count(self, reached: int, accepted: int) -> None:
+        self.reached += reached
+        self.accepted += accepted
+
+
+def expected_accepted(rates: list[float]) -> float:
+    """Expected accepted tokens of a chain whose i-th token is accepted with ``rates[i]`` given the ones
+    before it: the sum of the running products."""
+    total, p = 0.0, 1.0
+    for r in rates:
+        p *= r
+        total += p
+    return total
+
+
+def micro_batches(counts: list[tuple[int, int]], n_ubatch: int) -> list[int]:
+    """Rows of each micro-batch llama.cpp's ``split_equal`` makes of a decode whose rows are ``counts``
+    ((sequence, rows) in batch order, sequences sorted, one KV stream each): take the run of consecutive
+    sequence ids that still have rows, starting at the first, and from each the same number of rows,
+    as many as the shortest has left and ``n_ubatch`` allows; repeat."""
+    left = [[seq, n] for seq, n in counts if n > 0]
+    sizes = []
+    while left:
+        run = [left[0]]
+        for entry in left[1:]:
+            if entry[0] != run[-1][0] + 1 or len(run) >= n_ubatch:
+                break
+            run.append(entry)
+        take = max(1, min(min(n for _, n in run), n_ubatch // len(run)))
+        for entry in run:
+            entry[1] -= take
+        sizes.append(take * len(run))
+        left = [e for e in left if e[1] > 0]
+    return sizes
