@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -21,6 +22,7 @@ from .records import RunStats
 from .spec.orchestrator import generate_tokens
 from .spec.policy import AutoPolicy, FixedPolicy, Shape
 from .spec.suffix import SuffixCache
+from .target.invariance import Invariance
 from .target.llama_target import LlamaTarget, TargetOptions
 from .text_stream import TextAssembler
 
@@ -32,6 +34,13 @@ QUICK_FOCUS = (1, 2, 3, 4, 5)  # ... nine times each, not three: auto's plain-or
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 AUTO_LOOKUP_DEPTH = 4  # longest prompt-lookup chain auto considers
 AUTO_SUFFIX_DEPTH = 8  # deepest suffix-structure tree auto considers (spec/suffix.py)
+# Below this many exact rows a model's load says so (with --exact): chains of under three drafts keep
+# little of speculation's gain.
+FEW_EXACT_ROWS = 4
+
+
+class ExactnessWarning(UserWarning):
+    """Verification is capped below what was asked, or a model's rows are exact only in short batches."""
 
 
 @dataclass
@@ -70,9 +79,26 @@ class HeteroSpec:
         draft_dtype: str = "auto",
         denoise: DenoiseConfig = DenoiseConfig(),
         kv_type: str = DEFAULT_KV_TYPE,
+        exact: bool = False,
+        exact_rows: int | None = None,
     ) -> None:
-        self.target = LlamaTarget(target, TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None,
-                                                        kv_type=kv_type, taps=draft_taps(draft)))
+        """``exact``: where ``target``'s rows are not bit-exact up to the widest verification (32 rows), load
+        its nearest invariant requantization instead (``target.invariance.exact_requantization``, made once
+        and cached).  ``exact_rows``: trust this bound instead of checking the file (None: checked at load,
+        cached per file and machine); no verification ever holds more rows than the bound."""
+        options = TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None, kv_type=kv_type,
+                                taps=draft_taps(draft))
+        self.target = LlamaTarget(target, options)
+        self.invariance: Invariance | None = None  # the load's check (None when exact_rows was given)
+        self._warned: set[str] = set()  # clamped settings already warned about
+        try:
+            if exact_rows is None:
+                self._check_invariance(options, exact)
+                exact_rows = self.invariance.exact_rows
+        except BaseException:
+            self.target.close()
+            raise
+        self.exact_rows = max(1, min(int(exact_rows), options.n_batch))
         self.draft = None
         self.draft_path = draft
         self._curve = None  # cost curve for auto sizing, loaded or measured on first use
@@ -86,6 +112,66 @@ class HeteroSpec:
         except BaseException:
             self.target.close()
             raise
+
+    def _check_invariance(self, options: TargetOptions, exact: bool) -> None:
+        """How many rows a verification may hold on this file (``target.invariance.check``, cached); with
+        ``exact``, swap in the first requantization that holds to the widest verification (the nearest
+        types, then Q8_0 throughout).  Where few rows are exact, say so in one line."""
+        from .target import invariance as inv
+
+        self.invariance = inv.check(self.target)
+        widest = options.n_batch
+        if exact and self.invariance.exact_rows < widest:
+            src = self.target.path
+            for plan in dict.fromkeys([inv.nearest_exact(src), inv.ExactPlan("Q8_0", "Q8_0", "Q8_0")]):
+                path = inv.exact_requantization(src, plan)
+                self.target.close()
+                self.target = LlamaTarget(path, options)
+                self.invariance = inv.check(self.target)
+                if self.invariance.exact_rows >= widest:
+                    break
+            if self.invariance.exact_rows < widest:
+                warnings.warn(f"--exact: no requantization of {src.name} tried ({plan.describe()} last) is "
+                              f"bit-exact beyond {self.invariance.exact_rows} rows on these kernels; "
+                              f"speculation stays capped there", ExactnessWarning, stacklevel=3)
+        elif self.invariance.exact_rows < FEW_EXACT_ROWS:
+            n = self.invariance.exact_rows
+            cap = "plain decoding only" if n <= 1 else f"{n - 1} draft{'s' if n > 2 else ''} a round"
+            warnings.warn(f"{self.target.path.name}: verification matches plain decoding bit for bit only up to {n} "
+                          f"row{'s' if n > 1 else ''} on these kernels, so speculation is capped at {cap}; "
+                          f"--exact (exact=True) runs its nearest invariant requantization instead (made once, "
+                          f"cached), or keep this file: docs/exactness.md says how often uncapped output left "
+                          f"plain decoding's", ExactnessWarning, stacklevel=3)
+
+    @property
+    def max_drafts(self) -> int:
+        """The most tokens one round may verify beside the last accepted one: ``exact_rows - 1``."""
+        return self.exact_rows - 1
+
+    def _clamp(self, cfg: SpecConfig) -> SpecConfig:
+        """``cfg`` with a fixed draft length and tree size cut to ``max_drafts`` (one warning per setting); 0
+        drafts where even two rows are not exact."""
+        cap = self.max_drafts
+        if cap <= 0:
+            if cfg.draft_len not in (0, "auto"):
+                self._warn_clamp(f"draft_len {cfg.draft_len}", "plain decoding")
+            return cfg.with_(draft_len=0) if cfg.draft_len != 0 else cfg
+        if isinstance(cfg.draft_len, int) and cfg.tree is None and cfg.draft_len > cap:
+            self._warn_clamp(f"draft_len {cfg.draft_len}", f"draft_len {cap}")
+            cfg = cfg.with_(draft_len=cap)
+        tree = cfg.tree
+        if tree is not None and cfg.draft_len != 0 and min(tree.total_tokens, tree.depth * tree.top_k) > cap:
+            self._warn_clamp(f"a tree of {min(tree.total_tokens, tree.depth * tree.top_k)} tokens",
+                             f"{cap} tree tokens")
+            cfg = cfg.with_(tree=replace(tree, total_tokens=cap, depth=min(tree.depth, cap)))
+        return cfg
+
+    def _warn_clamp(self, asked: str, used: str) -> None:
+        if asked not in self._warned:
+            self._warned.add(asked)
+            warnings.warn(f"{asked} would verify more rows than {self.target.path.name} keeps bit-exact on these "
+                          f"kernels ({self.exact_rows}): using {used} (--exact lifts the cap)", ExactnessWarning,
+                          stacklevel=4)
 
     def close(self) -> None:
         self.target.close()
@@ -148,6 +234,7 @@ class HeteroSpec:
         copies = draft_len == "auto" and (suffix or lookup)  # sources that need no draft model
         cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft or copies else 0, stop=tuple(stop),
                          sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup)
+        cfg = self._clamp(cfg)
         tokens = self._prompt_tokens(prompt, _templated)
         stats = RunStats(prompt_tokens=len(tokens), kernels=self.target.kernels)
         ts = TextStream(iter(()), stats)
@@ -166,8 +253,10 @@ class HeteroSpec:
         tree = cfg.tree
         if cfg.draft_len != "auto":
             return FixedPolicy(Shape(tree.depth, tree.top_k, tree.total_tokens)) if tree else None
-        key = (*((tree.top_k, tree.total_tokens, tree.depth) if tree else (1, 0, AUTO_MAX_CHAIN)),
-               AUTO_LOOKUP_DEPTH if cfg.lookup and not suffix else 0, AUTO_SUFFIX_DEPTH if suffix else 0)
+        cap = self.max_drafts  # every source's deepest chain and largest tree stays within the exact rows
+        key = (*((tree.top_k, min(tree.total_tokens, cap), tree.depth) if tree else (1, 0, min(AUTO_MAX_CHAIN, cap))),
+               min(AUTO_LOOKUP_DEPTH, cap) if cfg.lookup and not suffix else 0,
+               min(AUTO_SUFFIX_DEPTH, cap) if suffix else 0)
         if self.draft is None:
             key = (1, 0, 0, *key[3:])  # max_depth 0: no draft model
         if key not in self._auto:
@@ -176,7 +265,7 @@ class HeteroSpec:
             prior = read_held_out_acceptance(self.draft_path) if self.draft_path is not None else ()
             self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2],
                                          lookup_depth=key[3], suffix_depth=key[4], prior_alphas=prior,
-                                         suffix_nodes=self.suffix_cache.config.max_nodes)
+                                         suffix_nodes=min(self.suffix_cache.config.max_nodes, max(1, cap)))
         return self._auto[key]
 
     def cost_curve(self):
@@ -220,10 +309,23 @@ class HeteroSpec:
 
     def _run(self, tokens: list[int], cfg: SpecConfig, ts: TextStream,
              cancel: Callable[[], bool] | None = None, suffix: SuffixCache | None = None) -> Iterator[str]:
-        stats, target = ts.stats, self.target
-        text = TextAssembler(target.piece, cfg.stop)
         t0 = time.perf_counter()
         policy = self._policy(cfg, suffix is not None)
+        if suffix is not None and suffix.config.max_nodes > self.max_drafts:
+            # a suffix tree has up to ``max_nodes`` nodes: the request reads the cache's config when it starts,
+            # so the cap is in force for it only and the caller's cache keeps its own
+            saved, suffix.config = suffix.config, replace(suffix.config, max_nodes=max(1, self.max_drafts))
+            try:
+                yield from self._run_steps(tokens, cfg, ts, cancel, suffix, policy, t0)
+            finally:
+                suffix.config = saved
+            return
+        yield from self._run_steps(tokens, cfg, ts, cancel, suffix, policy, t0)
+
+    def _run_steps(self, tokens: list[int], cfg: SpecConfig, ts: TextStream, cancel: Callable[[], bool] | None,
+                   suffix: SuffixCache | None, policy, t0: float) -> Iterator[str]:
+        stats, target = ts.stats, self.target
+        text = TextAssembler(target.piece, cfg.stop)
         steps = generate_tokens(target, self.draft, tokens, max_new_tokens=cfg.max_new_tokens,
                                 draft_len=1 if cfg.draft_len == "auto" else cfg.draft_len,
                                 sampling=cfg.sampling, policy=policy, p_min=cfg.p_min, suffix=suffix)

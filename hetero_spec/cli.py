@@ -56,30 +56,50 @@ def cli() -> None:
                    "f16 (llama.cpp's default) differs past 256 cells with 2+ threads")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--stats-json", type=click.Path(dir_okay=False, path_type=Path), help="write the run's stats here")
+@click.option("--exact", is_flag=True,
+              help="where MODEL's verification rows are bit-exact to plain decoding only in short batches (checked "
+                   "once per file and CPU), run its nearest requantization that is exact up to 32 rows (made once, "
+                   "cached) instead of capping the drafts")
 @click.option("--verbose", "-v", is_flag=True, help="say which llama.cpp kernels and draft device run, on stderr")
 def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tree_depth, tree_top_k, temperature,
         top_k, top_p, min_p, seed, draft_p_min, no_draft, lookup, suffix, suffix_cache, threads, ctx, draft_device,
-        draft_dtype, denoise, kv_type, stop, stats_json, verbose) -> None:
+        draft_dtype, denoise, kv_type, stop, stats_json, exact, verbose) -> None:
     """Generate with MODEL (GGUF) verified on the CPU and DRAFT (safetensors) proposing tokens; without a
     DRAFT, auto drafts from the text itself (the suffix structure or prompt lookup)."""
-    from .api import HeteroSpec
+    import warnings
+
+    from .api import ExactnessWarning, HeteroSpec
     from .config import SamplingConfig, TreeSpec, parse_draft_len
 
     options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else parse_draft_len(draft_len), stop=stop,
                    tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
                    sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed), lookup=lookup, suffix=suffix)
-    with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
-                    draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise), kv_type=kv_type) as hs:
-        if suffix_cache is not None and suffix_cache.is_file():
+
+    def one_line(message, category, filename, lineno, file=None, line=None, show=warnings.showwarning) -> None:
+        """The exactness notices as one line each (Python's format adds the calling source line)."""
+        if issubclass(category, ExactnessWarning):
+            click.echo(f"warning: {message}", err=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = one_line
+        with HeteroSpec(model, None if no_draft else draft, n_ctx=ctx, threads=threads, draft_device=draft_device,
+                        draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise), kv_type=kv_type,
+                        exact=exact) as hs:
+            if verbose and hs.invariance is not None:
+                click.echo(f"exactness: {hs.invariance.describe()}; verifications capped at {hs.exact_rows} rows",
+                           err=True)
+            if suffix_cache is not None and suffix_cache.is_file():
+                try:
+                    hs.suffix_cache.load(suffix_cache)
+                except ValueError as exc:
+                    raise HeteroSpecError(str(exc)) from None
             try:
-                hs.suffix_cache.load(suffix_cache)
-            except ValueError as exc:
-                raise HeteroSpecError(str(exc)) from None
-        try:
-            _run_turns(hs, prompt, chat, options, stats_json, verbose)
-        finally:
-            if suffix_cache is not None:
-                hs.suffix_cache.save(suffix_cache)
+                _run_turns(hs, prompt, chat, options, stats_json, verbose)
+            finally:
+                if suffix_cache is not None:
+                    hs.suffix_cache.save(suffix_cache)
 
 
 def _run_turns(hs, prompt: str | None, chat: bool, options: dict, stats_json: Path | None, verbose: bool) -> None:
@@ -128,6 +148,22 @@ def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | Non
         sys.exit(130)
 
 
+AUTO_PARALLEL = 4  # llama-server's default slots (-np auto)
+
+
+def _parse_parallel(ctx, param, value) -> int:
+    """``--parallel``: ``auto`` (0 here, settled once the draft is known) or 1..32."""
+    if value == "auto":
+        return 0
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected auto or a number of slots, not {value!r}") from None
+    if not 1 <= n <= 32:
+        raise click.BadParameter(f"slots must be in 1..32, not {n}")
+    return n
+
+
 @cli.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("draft", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
@@ -160,9 +196,10 @@ def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | Non
 @click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(1024),
               help="largest request body in bytes (413)")
 @click.option("--model-alias", help="model id in /v1/models and requests (default: the GGUF file name, no .gguf)")
-@click.option("--parallel", default=1, show_default=True, type=click.IntRange(1, 32),
-              help="slots: requests decoded together in one llama_decode per step (> 1: plain decoding, --ctx "
-                   "cells each)")
+@click.option("--parallel", default="auto", show_default=True, callback=_parse_parallel,
+              help="slots: requests decoded together in one llama_decode per step, --ctx cells each (> 1: the "
+                   "batched engine, prompt lookup but no draft model yet); auto: 4 without a draft model "
+                   "(llama-server's default), 1 with one")
 def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
           ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
           model_alias, parallel) -> None:
@@ -175,7 +212,8 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
                           draft_device=draft_device, draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise),
                           kv_type=kv_type, draft_len=0 if no_draft else parse_draft_len(draft_len),
                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None,
-                          draft_p_min=draft_p_min, lookup=lookup, parallel=parallel)
+                          draft_p_min=draft_p_min, lookup=lookup,
+                          parallel=parallel or (1 if draft is not None and not no_draft else AUTO_PARALLEL))
     server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
                           api_key=api_key or None, max_queue=max_queue, queue_timeout=queue_timeout,
                           max_body_bytes=max_body)
@@ -219,6 +257,7 @@ EXTRA_COMMANDS: list[str] = [
     "hetero_spec.train_cli:analyze_attention",
     "hetero_spec.bench.cli:bench",
     "hetero_spec.bench.cli:calibrate",
+    "hetero_spec.make_draft:make_draft",
 ]
 
 

@@ -34,6 +34,7 @@ TENSOR_TYPES: dict[str, int] = {
     for name in dir(C)
     if name.startswith("GGML_TYPE_") and name != "GGML_TYPE_COUNT"
 }
+TENSOR_TYPES.setdefault("BF16", 30)  # GGML_TYPE_BF16: ggml has it, the binding does not name it
 _FLOAT_FILE_TYPES = {0, 1, 32}  # general.file_type of ALL_F32, MOSTLY_F16, MOSTLY_BF16
 
 
