@@ -114,6 +114,8 @@ def train(features, model, out, variant, taps, hole_prob, blocks, reduced_vocab,
         init_block = load_block(model, last)
     summary = run_training(cfg, list(features), out, embedding=emb, head=head, fingerprint=fp, resume=resume,
                            init_block=init_block)
+    if not summary:  # under torchrun, ranks other than 0: rank 0 reports (and saved the draft)
+        return
     click.echo(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     if summary.get("stopped_by"):
         click.echo(f"stopped by {summary['stopped_by']} after step {summary['steps']}: {out} holds the draft so far; "

@@ -2,8 +2,11 @@
 resume, a wall-clock budget, held-out evaluation, and DistributedDataParallel under torchrun.
 
 Launch on several GPUs with ``torchrun --nproc_per_node N -m hetero_spec train ...``: the
-process group comes from torchrun's environment, each rank takes every N-th batch, rank 0
-writes checkpoints and the draft.
+process group comes from torchrun's environment (NCCL on CUDA, gloo on CPUs), each rank takes every
+N-th batch (the same number on every rank), rank 0 alone evaluates and writes checkpoints and the
+draft, and the ranks agree each step on whether to stop (time budget, signal) so that none waits
+on a collective the others left.  N ranks with ``--grad-accum 1`` take the steps one process with
+``--grad-accum N`` would take (tests/integration/test_ddp.py).
 """
 from __future__ import annotations
 
@@ -107,8 +110,8 @@ def train(
     out = Path(out)
     work = out.with_suffix(".train")
     work.mkdir(parents=True, exist_ok=True)
-    rank, world = _init_distributed()
-    device = _device(cfg.device, rank)
+    rank, world, local_rank, owns_group = _init_distributed()
+    device = _device(cfg.device, local_rank)
     if device.type == "cpu" and cfg.threads:
         torch.set_num_threads(cfg.threads)
     _seed_everything(cfg.seed + rank)
@@ -152,16 +155,17 @@ def train(
         state = _load_checkpoint(ckpt, model, opt)
     runner = _Unrolled(model, cfg.unroll_steps)
     if world > 1:
-        runner = torch.nn.parallel.DistributedDataParallel(runner, device_ids=[device.index] if device.type == "cuda" else None)
+        runner = _ddp(runner, device)
     feat_rms = _feature_rms(split.train, cfg.taps).to(device)
     if cfg.taps and not resuming and start is None:  # a continued draft keeps the scale it was trained with
         model.tap_scale.copy_(tap_scale_for(feat_rms))
     held_targets: dict[int, torch.Tensor] = {}  # the target's argmax per held-out batch (evaluate)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
     done = state["step"] >= total
-    with StopRequest(enabled=world == 1) as stop:  # Ctrl-C / SIGTERM: finish the step, save, export
+    # Ctrl-C / SIGTERM: finish the step, save, export (under DDP every rank stops at the same step: _agree)
+    with StopRequest() as stop:
         while not done:
-            batches = make_batches(split.train, cfg.batch_tokens, cfg.seed, state["epoch"])[rank::world]
+            batches = _rank_batches(make_batches(split.train, cfg.batch_tokens, cfg.seed, state["epoch"]), rank, world)
             for bi in range(state["batch_in_epoch"], len(batches) - len(batches) % cfg.grad_accum, cfg.grad_accum):
                 t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
@@ -187,9 +191,16 @@ def train(
                 _add_step_cpu(state, time.process_time() - c0, torch.get_num_threads())
                 acc = agg["correct"] / max(1, agg["count"])
                 state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
+                if cfg.time_budget_s:  # the bar's total (and ETA) is what the budget buys at this pace
+                    bar.total = min(total, max(state["step"], round(state["step"] * cfg.time_budget_s
+                                                                    / max(1e-9, _spent(state, cfg)))))
                 bar.update(1)
                 bar.set_postfix(loss=f"{agg['loss']:.3f}", acc=f"{acc:.3f}", lr=f"{lr:.1e}")
-                out_of_time = cfg.time_budget_s and _spent(state, cfg) >= cfg.time_budget_s
+                out_of_time = bool(cfg.time_budget_s and _spent(state, cfg) >= cfg.time_budget_s)
+                if world > 1:  # rank 0's clock decides, and a signal on any rank stops them all
+                    out_of_time, stopping = _agree(out_of_time, stop.requested, device)
+                    if stopping and not stop.requested:
+                        stop.signal_name = "SIGTERM"
                 if rank == 0 and cfg.eval_every and state["step"] % cfg.eval_every == 0 and split.held_out:
                     _record_eval(state, evaluate(model, split.held_out, cfg, device, head, held_targets), bar)
                     # the draft so far, usable (bench, run) while training goes on; the end replaces it
@@ -225,7 +236,7 @@ def train(
             save_draft(model, out, extra={TRAINING_KEY: json.dumps(summary)}, dtype=torch.bfloat16)
             (work / "history.json").write_text(json.dumps(state["history"]))
             _plot_history(state["history"], work / "training.png")
-    if world > 1:
+    if owns_group:
         torch.distributed.destroy_process_group()
     return summary
 
@@ -479,19 +490,62 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _device(spec: str, rank: int) -> torch.device:
-    if spec == "auto":
-        return torch.device(f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu")
+def _device(spec: str, local_rank: int) -> torch.device:
+    """auto: this rank's GPU when torch sees one; a bare ``cuda`` under torchrun also means this rank's
+    GPU (torch.device("cuda") would put every rank of the machine on GPU 0)."""
+    if spec == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    if spec in ("auto", "cuda"):
+        return torch.device(f"cuda:{local_rank % max(1, torch.cuda.device_count())}")
     return torch.device(spec)
 
 
-def _init_distributed() -> tuple[int, int]:
+def _init_distributed() -> tuple[int, int, int, bool]:
+    """(rank, world size, local rank, whether this call made the process group) from torchrun's
+    environment.  A group the caller made already is reused and left to it (make-draft)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return 0, 1
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend)
-    return torch.distributed.get_rank(), world
+        return 0, 1, 0, False
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), world, local_rank, False
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return torch.distributed.get_rank(), world, local_rank, True
+
+
+def _rank_batches(batches: list, rank: int, world: int) -> list:
+    """Every ``world``-th batch from ``rank``, the same number on every rank: a rank with one batch more
+    would enter a gradient all-reduce that no other rank joins, and hang there."""
+    n = len(batches) // world
+    return batches[rank::world][:n]
+
+
+def _agree(out_of_time: bool, stop_requested: bool, device: torch.device) -> tuple[bool, bool]:
+    """Under DDP: (rank 0's out-of-time, any rank's stop request), the same on every rank.  Each rank's
+    own clock differs a little, and a rank that stops alone leaves the others waiting in the next
+    step's all-reduce."""
+    flags = torch.tensor([float(out_of_time) if torch.distributed.get_rank() == 0 else 0.0, float(stop_requested)],
+                         device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
+
+
+def _ddp(runner: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """DDP over the unrolled forward.  The target's embedding and head are buffers of the draft (frozen,
+    the same on every rank, the embedding hundreds of MB): DDP neither broadcasts them at the start nor
+    before every forward (``broadcast_buffers=False``; the other buffers are computed alike on every rank)."""
+    import inspect
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    frozen = [f"model.{name}" for name in ("embed", "head")]
+    ddp._set_params_and_buffers_to_ignore_for_model(runner, frozen)
+    # newer torch renames the option (and still syncs the buffers left at init, which is harmless here)
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(ddp).parameters
+               else {"broadcast_buffers": False})
+    return ddp(runner, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 class _Unrolled(torch.nn.Module):

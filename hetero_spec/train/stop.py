@@ -15,8 +15,9 @@ from types import FrameType
 class StopRequest:
     """While entered, SIGINT and SIGTERM set ``signal_name`` instead of killing the process.
 
-    Only the main thread can install handlers; elsewhere (or under DDP, where ranks must stop
-    together) it installs none and never requests a stop."""
+    Only the main thread can install handlers; elsewhere it installs none and never requests a stop.
+    Under DDP every rank installs its own, and the training loop makes the ranks agree each step, so
+    a signal to any rank stops all of them at the same step."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hetero_spec.config import TargetFingerprint
 from hetero_spec.draft.checkpoint import load_draft
 from hetero_spec.errors import HeteroSpecError
 from hetero_spec.train.loop import TrainConfig, train

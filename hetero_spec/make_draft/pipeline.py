@@ -1,0 +1,248 @@
+"""The stages of ``make-draft``: corpus (with its features), training, the held-out check, the report.
+
+Each stage records itself in ``WORK/state.json`` when it is done, and each is resumable inside:
+the corpus in chunks of conversations (``converters.corpus``), training from its checkpoint
+(``train/loop.py``).  A rerun skips the finished stages and continues the unfinished one.
+
+Under torchrun (``WORLD_SIZE`` > 1) rank 0 makes the corpus while the other ranks wait for it in the
+shared work folder; every rank trains (DDP); rank 0 alone checks and reports.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from ..errors import HeteroSpecError
+from .plan import Plan, State, write_atomic
+
+N_SEQ = 16  # conversations decoded together (the recipe's --n-seq)
+CHAIN = 4  # the chain length the check measures and the trainer's held-out estimate is for
+CHECK_TOKENS = 128  # new tokens per check prompt (the bench's default)
+CHECK_PROMPTS_PER_SET = 20  # at most, per shipped bench set
+MIN_PART_S = 60.0  # a corpus part re-measures the generation rate at least this often
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where everything goes: the work folder, and OUT with its report beside it."""
+
+    work: Path
+    out: Path
+
+    @property
+    def plan(self) -> Path:
+        return self.work / "plan.json"
+
+    @property
+    def state(self) -> Path:
+        return self.work / "state.json"
+
+    @property
+    def corpus(self) -> Path:
+        return self.work / "corpus"
+
+    @property
+    def draft(self) -> Path:  # the trainer's output; OUT.train/ of train() is draft.train/ here
+        return self.work / "draft.safetensors"
+
+    @property
+    def report_json(self) -> Path:
+        return self.out.with_suffix(".report.json")
+
+    @property
+    def report_png(self) -> Path:
+        return self.out.with_suffix(".report.png")
+
+
+def say(msg: str) -> None:
+    """Stage messages go to stderr beside the progress bars (stdout stays for the summary)."""
+    click.echo(msg, err=True)
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def corpus_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) -> None:
+    """The target's own greedy answers (two turns, as the shipped recipe) to ShareGPT conversations,
+    decontaminated against the bench sets, with features and taps from the same decodes.
+
+    WHY in parts: the budget is time, and how many conversations an hour buys depends on the model and
+    the machine.  Each part is a complete ``generate_corpus`` folder over the next slice of one
+    shuffle (``offset``/``limit``); the first is a small probe, each next one is sized from the rate
+    measured so far to fill at most a quarter of the budget, and parts stop when the budget is spent.
+    A part is recorded before it starts, so a rerun resumes that very part."""
+    from tqdm import tqdm
+
+    from converters.corpus import CorpusConfig, generate_corpus
+    from converters.datasets import load_source, resolve_source
+
+    st = state.stage("corpus")
+    parts: list[dict] = st.setdefault("parts", [])
+    if st["done"]:
+        say(f"corpus: done ({_conversations(parts)} conversations), skipped")
+        return
+    n_source = len(load_source(resolve_source(plan.source)).conversations)
+    budget = plan.budget.corpus_s
+    spent = sum(p["seconds"] for p in parts)
+    bar = tqdm(total=round(budget), initial=min(round(spent), round(budget)), unit="s", desc="corpus budget",
+               dynamic_ncols=True, disable=not progress, position=0)
+    try:
+        while True:
+            if not parts or parts[-1]["done"]:
+                part = _next_part(plan, parts, budget - spent, n_source)
+                if part is None:
+                    break
+                parts.append(part)
+                state.save()
+            part = parts[-1]
+            cfg = CorpusConfig(model=Path(plan.model), out=paths.corpus / part["dir"], source=plan.source,
+                               limit=part["limit"], offset=part["offset"], seed=0, turns=2,
+                               max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ, threads=plan.threads,
+                               chunk=min(part["limit"], 256), features=True, taps=plan.taps)
+            t0 = time.perf_counter()
+            try:
+                m = generate_corpus(cfg, progress=progress)
+            finally:  # an interrupted part's time still counts against the budget
+                dt = time.perf_counter() - t0
+                part["seconds"] += dt
+                spent += dt
+                bar.update(min(round(spent), round(budget)) - bar.n)
+                state.save()
+            part.update(done=True, conversations=m["counts"]["conversations"], tokens=m["counts"]["tokens"],
+                        assistant_tokens=m["counts"]["assistant_tokens"])
+            state.save()
+    finally:
+        bar.close()
+    if not _conversations(parts):
+        raise HeteroSpecError(f"the corpus budget ({budget:.0f} s) produced no conversations; give more --hours")
+    st.update(done=True, seconds=round(spent, 1))
+    state.save()
+    say(f"corpus: {_conversations(parts)} conversations, {sum(p.get('tokens', 0) for p in parts)} tokens "
+        f"in {spent / 60:.1f} min")
+
+
+def _next_part(plan: Plan, parts: list[dict], remaining_s: float, n_source: int) -> dict | None:
+    """The next slice of the shuffle, sized to the rate measured so far; None when the budget, the
+    source or ``max_conversations`` is spent."""
+    offset = parts[-1]["offset"] + parts[-1]["limit"] if parts else 0
+    left = n_source - offset
+    if plan.max_conversations:
+        left = min(left, plan.max_conversations - offset)
+    if left <= 0 or remaining_s <= 0:
+        return None
+    if not parts:
+        size = 2 * N_SEQ  # a probe: enough rows decoded together to measure the bulk rate
+    else:
+        rate = sum(p["limit"] for p in parts) / max(1e-6, sum(p["seconds"] for p in parts))  # conversations/s
+        size = int(rate * min(remaining_s, max(MIN_PART_S, plan.budget.corpus_s / 4)))
+        if size < N_SEQ // 2:  # less than half a batch fits: the rest of the budget goes to training
+            return None
+    size = min(size, left)
+    return dict(dir=f"part-{len(parts):03d}", offset=offset, limit=size, done=False, seconds=0.0)
+
+
+def _conversations(parts: list[dict]) -> int:
+    return sum(p.get("conversations", 0) for p in parts)
+
+
+def feature_dirs(paths: Paths, state: State) -> list[Path]:
+    """The corpus parts' feature folders (a part whose conversations were all skipped has none)."""
+    parts = state.stage("corpus").get("parts", [])
+    return [paths.corpus / p["dir"] / "features" for p in parts
+            if p.get("conversations") and (paths.corpus / p["dir"] / "features" / "manifest.json").is_file()]
+
+
+# -------------------------------------------------------------------------------------------- training
+def train_stage(plan: Plan, paths: Paths, state: State, rank: int, progress: bool = True) -> dict:
+    """The shipped darter's recipe (``plan.train``) on every corpus part, for the training budget;
+    resumes from ``draft.train/checkpoint.pt``.  Under torchrun every rank runs this (DDP)."""
+    from ..train.loop import TrainConfig, train
+    from ..train_cli import _target_parts
+
+    st = state.stage("train")
+    if st["done"]:
+        if rank == 0:
+            say(f"training: done ({st['summary']['steps']} steps), skipped")
+        return st["summary"]
+    dirs = feature_dirs(paths, state)
+    cfg = TrainConfig(**{**plan.train, "taps": tuple(plan.train["taps"])}, device=plan.device)
+    if rank == 0:
+        say(f"training: {cfg.variant}, {len(dirs)} corpus parts, {cfg.time_budget_s / 60:.1f} min on "
+            f"{plan.device}" + (f", taps {','.join(map(str, cfg.taps))}" if cfg.taps else ", no taps"))
+    fp, emb, head = _target_parts(Path(plan.model))
+    summary = train(cfg, dirs, paths.draft, embedding=emb, head=head, fingerprint=fp, resume=True,
+                    progress=progress)
+    if rank != 0:
+        return summary
+    if summary.get("stopped_by"):
+        raise _Stopped(summary["stopped_by"], summary["steps"])
+    st.update(done=True, summary={k: v for k, v in summary.items() if k != "config"})
+    state.save()
+    return st["summary"]
+
+
+class _Stopped(Exception):
+    """Training was stopped by a signal after saving its checkpoint; the command exits 128 + signal."""
+
+    def __init__(self, signal_name: str, steps: int) -> None:
+        super().__init__(signal_name)
+        self.signal_name, self.steps = signal_name, steps
+
+
+# --------------------------------------------------------------------------------------- the check
+def check_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) -> dict:
+    """The draft as ``run`` runs it, on the shipped bench prompts (which the corpus was decontaminated
+    against): a fixed chain of ``CHAIN``, no prompt lookup, greedy; every round's drafted and accepted
+    counts per set, round-robin over the sets until the check budget is spent."""
+    from tqdm import tqdm
+
+    from ..api import HeteroSpec
+    from ..bench.prompts import DATASETS, bench_prompts
+    from ..errors import ContextFull
+
+    st = state.stage("check")
+    if st["done"]:
+        say(f"held-out check: done ({st['prompts']} prompts), skipped")
+        return st
+    sets = {name: [p for p in bench_prompts(name, CHECK_PROMPTS_PER_SET) if isinstance(p, str)] for name in DATASETS}
+    queue = [(name, ps[i]) for i in range(CHECK_PROMPTS_PER_SET) for name, ps in sets.items() if i < len(ps)]
+    rounds: dict[str, list[list[int]]] = {name: [] for name in sets}
+    budget, t0, done = plan.budget.check_s, time.perf_counter(), 0
+    bar = tqdm(total=len(queue), unit="prompt", desc="held-out check", dynamic_ncols=True, disable=not progress)
+    with HeteroSpec(plan.model, paths.draft, n_ctx=4096, threads=plan.threads, draft_device=plan.device) as hs:
+        for name, prompt in queue:
+            elapsed = time.perf_counter() - t0
+            if done >= len(sets) and elapsed >= budget:  # every set measured at least once
+                break
+            hs.reset()
+            try:
+                c = hs.chat([{"role": "user", "content": prompt}], max_new_tokens=min(CHECK_TOKENS, plan.max_new_tokens),
+                            draft_len=CHAIN, lookup=False, suffix=False)
+            except ContextFull:
+                continue
+            rounds[name] += [[r.drafted, r.accepted] for r in c.stats.rounds if r.source == "draft"]
+            done += 1
+            per_prompt = (time.perf_counter() - t0) / done
+            bar.total = min(len(queue), max(done, done + int(max(0.0, budget - (time.perf_counter() - t0)) / per_prompt)))
+            bar.update(1)
+    bar.close()
+    st.update(done=True, prompts=done, rounds=rounds, seconds=round(time.perf_counter() - t0, 1))
+    state.save()
+    return st
+
+
+# ------------------------------------------------------------------------------------------ output
+def publish(paths: Paths, report: dict) -> None:
+    """OUT and its report, each renamed into place whole (the plot was written by ``report.plot``)."""
+    import json
+
+    tmp = paths.out.with_name(f".{paths.out.name}.tmp{os.getpid()}")
+    try:
+        shutil.copyfile(paths.draft, tmp)
+        os.replace(tmp, paths.out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_atomic(paths.report_json, json.dumps(report, indent=2))

