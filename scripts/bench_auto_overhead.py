@@ -12,7 +12,7 @@ each loop's one-row decodes against raw's at the same position of the same promp
 alone, no bookkeeping), split by whether the decode before it was a plain one-row decode or not (a
 different shape makes llama.cpp build a new graph); then the Python time between two consecutive
 one-row decodes, the loop's own cost per plain token (after a decode the CPU's caches are cold, so
-every line counts: stop 31 cut auto's from about 370 to 290 us on SmolLM2 Q4_0, raw's being 190).
+every line counts: trimming it cut auto's from about 370 to 290 us on SmolLM2 Q4_0, raw's being 190).
 """
 from __future__ import annotations
 

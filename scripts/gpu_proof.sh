@@ -174,5 +174,6 @@ case "${1:-}" in
   pack) shift; pack "$@" ;;
   run) run ;;
   cpu-check) shift; cpu_check "$@" ;;
+  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
   *) sed -n '2,24p' "$0"; exit 2 ;;
 esac

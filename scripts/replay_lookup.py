@@ -10,7 +10,7 @@ graph then (``scripts/bench_shape_change.py``).  The draft model is left out (it
 prior is set so low that it never pays); its probes count as plain rounds.
 
 Two ways of learning are compared: "pooled" (one set of lookup statistics, first proposed token
-checked on plain rounds: auto up to stop 27) and "by match" (statistics per match-length bucket,
+checked on plain rounds: auto's earlier rule) and "by match" (statistics per match-length bucket,
 whole proposals checked: ``AutoPolicy.observe_lookup_chain``).
 
     python scripts/replay_lookup.py MODEL --curve ~/.cache/hetero-spec/calibration/x10-t2-*.json \\

@@ -590,12 +590,10 @@ def _spec_round(
     k = max(0, min(draft_len, left - 1, room_target, room_draft))
     if room_target < 0:
         return Step([], None, "context_full"), x, pending
-    m = len(pending.next_tokens)
     draft_s = 0.0
     drafts: list[int] = []
     if k > 0:
         pending.trim(draft)
-        m = len(pending.next_tokens)
         td = time.perf_counter()
         drafts = draft.propose(pending.features, pending.next_tokens, k)
         draft_s = time.perf_counter() - td

@@ -23,7 +23,6 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from ..config import DEFAULT_KV_TYPE
 from ..errors import TargetError
 from . import _ffi
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners

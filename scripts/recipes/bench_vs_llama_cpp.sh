@@ -4,9 +4,10 @@
 # EAGLE-3 export, on SmolLM2 all-Q4_0 and on its x10 cost-equivalent target.  Greedy, 128 new
 # tokens, 2 threads, every output compared with raw.  Needs scripts/build_llama_cpp.sh first.
 #
-#   OUT=/work/data N=20 bash scripts/recipes/bench_vs_llama_cpp.sh [q4|x10 ...]
+#   OUT=bench-out N=20 bash scripts/recipes/bench_vs_llama_cpp.sh [q4|x10 ...]
 # N_E3 (default N): prompts per set for the EAGLE-3 runs, where only the comparison is wanted.
 set -euo pipefail
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,8p' "$0"; exit 0; }
 cd "$(dirname "$0")/../.."
 MODEL="$(python scripts/default_model.py)"
 OUT="${OUT:-bench-vs-llama-cpp}"

@@ -2,6 +2,7 @@
 # Recipe for the shipped SmolLM2-135M drafts (darter and its eagle baseline), on a 2-core CPU.
 # Same data and the same wall-clock budget for both; see drafts/README.md for what it produced.
 set -euo pipefail
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,3p' "$0"; exit 0; }
 MODEL="$(python scripts/default_model.py)"              # the all-Q4_0 requantization
 DATA="${DATA:-data}"
 BUDGET_MIN="${BUDGET_MIN:-60}"

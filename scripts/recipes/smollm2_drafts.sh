@@ -9,8 +9,9 @@
 # Every step resumes where it stopped: rerun this script after an interruption (on a new machine,
 # everything is regenerated; the corpus takes about 3.5 hours of both cores of a 2-core AVX2 EPYC).
 #
-#   DATA=/work/data BUDGET_MIN=300 bash scripts/recipes/smollm2_drafts.sh
+#   DATA=data BUDGET_MIN=300 bash scripts/recipes/smollm2_drafts.sh
 set -euo pipefail
+[[ "${1:-}" == -h || "${1:-}" == --help ]] && { sed -n '2,12p' "$0"; exit 0; }
 cd "$(dirname "$0")/../.."
 MODEL="$(python scripts/default_model.py)"             # the all-Q4_0 requantization
 DATA="${DATA:-data}"
@@ -53,7 +54,7 @@ wait
 
 # 2b. the shipped darter was then continued on the rest of the shuffle, conversations step 1 never
 #     answered (--offset 9500: 7,439 conversations, 1.83M generated assistant tokens; 68 minutes on both
-#     cores of a 2-core AVX-512 EPYC), for 45 minutes of steps on two threads (drafts/README.md, stop 24)
+#     cores of a 2-core AVX-512 EPYC), for 45 minutes of steps on two threads (drafts/README.md)
 for i in 0 1; do
   hetero-spec generate-corpus "$MODEL" "$DATA/corpus-new-$i" --offset 9500 --limit 8000 --seed 0 --shard "$i/2" \
     --n-seq 16 --taps "$TAPS" --chunk 256 -t 1 &

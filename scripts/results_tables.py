@@ -1,0 +1,496 @@
+"""The markdown tables README.md and docs/ quote, regenerated from the data files under results/.
+
+Every figure the documentation quotes comes from a file in this repository: a ``hetero-spec bench``
+``bench.json`` (copied under ``results/bench/`` with the command that made it), the JSON a measurement
+script wrote with ``--out`` / ``--json``, a recorded script output (``record`` below), or a shipped
+draft's own training summary.  Each table names its file, the command and the CPU.  In the docs a
+table sits between ``<!-- results:NAME -->`` and ``<!-- /results -->``; ``tests/test_docs.py`` fails
+when a block differs from what this script makes of the files.
+
+    python scripts/results_tables.py list                  # table names and the files they read
+    python scripts/results_tables.py show headline         # one table, to stdout
+    python scripts/results_tables.py write                 # rewrite every block in README.md and docs
+    python scripts/results_tables.py check                 # exit 1 if a block is stale
+    python scripts/results_tables.py plot                  # results/plots/speedup-by-set.png
+    python scripts/results_tables.py add bench-out/bench.json NAME --command "hetero-spec bench ..."
+    python scripts/results_tables.py record results/exactness/NAME.json 'python scripts/x.py "$(python scripts/default_model.py)"'
+"""
+from __future__ import annotations
+
+import json
+import platform
+import re
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+PROVENANCE = RESULTS / "provenance.json"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "drafts" / "README.md"]
+BLOCK = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results -->)", re.S)
+SETS7 = ["grounded", "multiturn", "agentic", "mt_bench", "humaneval", "gsm8k", "alpaca", "all"]
+SETS4 = ["mt_bench", "humaneval", "gsm8k", "alpaca", "all"]
+
+# The runs the tables read (paths relative to results/).
+WITH_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-darter.json"
+NO_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft.json"
+CHAIN = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter.json"
+DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
+KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
+SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
+SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
+ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-steps.txt"
+CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
+DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a table's figures come from: the file, the command that wrote it and the CPU it ran on."""
+
+    path: str
+    command: str
+    cpu: str
+
+    def line(self) -> str:
+        return f"`{self.path}`: `{self.command}` on {self.cpu}."
+
+
+def load(rel: str) -> Any:
+    path = RESULTS / rel
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+
+
+def provenance() -> dict[str, dict[str, str]]:
+    """Command and CPU of the files that do not carry them inside (text output, older JSON)."""
+    data = json.loads(PROVENANCE.read_text()) if PROVENANCE.exists() else {}
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def source(rel: str) -> Source:
+    """The command and CPU recorded in the file itself, else in results/provenance.json."""
+    data = load(rel) if rel.endswith(".json") else None
+    command = cpu = None
+    if isinstance(data, dict):
+        meta = data.get("meta", data)
+        command = meta.get("command")
+        cpu = meta.get("cpu") or meta.get("machine")
+    extra = provenance().get(rel, {})
+    command, cpu = command or extra.get("command"), extra.get("cpu") or cpu
+    if not command or not cpu:
+        raise click.ClickException(f"results/{rel}: no command or CPU recorded (in the file or in {PROVENANCE.name})")
+    return Source(f"results/{rel}", command, cpu)
+
+
+def sources_footer(*rels: str) -> str:
+    return "\n".join(f"- {source(r).line()}" for r in rels)
+
+
+def summary(rel: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(row["method"], row["dataset"]): row for row in load(rel)["summary"]}
+
+
+def x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def f2(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def set_range(rows: dict[tuple[str, str], dict[str, Any]], method: str, sets: list[str], key: str = "speedup") -> str:
+    vals = [rows[(method, s)][key] for s in sets if s != "all" and (method, s) in rows]
+    return f"{min(vals):.2f}-{max(vals):.2f}x"
+
+
+def equal(rows: dict[tuple[str, str], dict[str, Any]], method: str) -> str:
+    r = rows[(method, "all")]
+    return f"{r['equal']}/{r['prompts']}"
+
+
+def bench_meta_line(rel: str) -> str:
+    m = load(rel)["meta"]
+    return (f"SmolLM2-135M-Instruct all-Q4_0 (`{m['model']}`), {m['threads']} threads, KV cells {m['kv_type']}, "
+            f"greedy, {m['max_new_tokens']} new tokens, the first {m['n_prompts']} prompts of each set, {m['date']}. "
+            "Speedup: median over prompts of tokens/s (wall time with prefill) against `raw` on the same prompt.")
+
+
+# ---------------------------------------------------------------- tables
+
+def t_headline() -> str:
+    d, n, c = summary(WITH_DRAFT), summary(NO_DRAFT), summary(CHAIN)
+    one, slots = load(SERVER_ONE)["overhead"], load(SERVER_SLOTS)
+    rows = [
+        ("`run`/`bench` `auto`, shipped darter draft (draft + prompt lookup)", x(d[("auto", "all")]["speedup"]),
+         set_range(d, "auto", SETS7), equal(d, "auto"), "a"),
+        ("`auto`, no draft model (suffix trees over prompt, output, past outputs)",
+         x(n[("auto-suffix", "all")]["speedup"]), set_range(n, "auto-suffix", SETS7), equal(n, "auto-suffix"), "b"),
+        ("fixed chain k=3, shipped darter draft", x(c[("chain-k3", "all")]["speedup"]), set_range(c, "chain-k3", SETS4),
+         equal(c, "chain-k3"), "c"),
+        ("`auto` in the same run as the chain", x(c[("auto", "all")]["speedup"]), set_range(c, "auto", SETS4),
+         equal(c, "auto"), "c"),
+        ("llama.cpp's n-gram speculation (llama-server `--spec-type ngram-simple`)",
+         x(d[("llama.cpp-ngram", "all")]["speedup"]), set_range(d, "llama.cpp-ngram", SETS7),
+         equal(d, "llama.cpp-ngram"), "a"),
+        ("`serve`, one client: decode tokens/s against `run`", f"{one['median_decode_ratio']:.3f}", "-",
+         "all" if one["all_texts_equal"] else "no", "d"),
+        ("`serve` (4 slots), 8 clients: aggregate tokens/s against llama-server `-np 4`, speculation off / on",
+         " / ".join(f"{_batched(slots, 'hetero-spec', spec)['aggregate_tps'] / _batched(slots, 'llama-server', peer)['aggregate_tps']:.2f}x"
+                    for spec, peer in (("off", "off"), ("on", _best_ngram(slots)))), "-",
+         "all" if all(c.get("texts_equal_one_sequence") for c in slots["batched"]["configs"]
+                      if c["server"] == "hetero-spec") else "no", "e"),
+    ]
+    lines = ["| what | speed against plain llama.cpp decoding, all sets | per set | outputs equal to plain | run |",
+             "|---|---:|---:|---:|---|"]
+    lines += [f"| {a} | {b} | {s} | {e} | {r} |" for a, b, s, e, r in rows]
+    srcs = [source(rel) for rel in (WITH_DRAFT, NO_DRAFT, CHAIN, SERVER_ONE, SERVER_SLOTS)]
+    cpus = {s.cpu for s in srcs}
+    lines.append("")
+    if len(cpus) == 1:
+        lines.append(f"All on {cpus.pop()}; the commands, and the files that hold their output:")
+        lines.append("")
+    for tag, src in zip("abcde", srcs):
+        where = "" if len({s.cpu for s in srcs}) == 1 else f" on {src.cpu}"
+        lines.append(f"- ({tag}) `{src.command}`{where}: `{src.path}`")
+    return "\n".join(lines)
+
+
+def t_speedup_7sets() -> str:
+    d, n = summary(WITH_DRAFT), summary(NO_DRAFT)
+    methods = [("auto", d, "`auto` (darter draft + prompt lookup)"),
+               ("auto-suffix", d, "`auto-suffix` (darter draft + suffix trees)"),
+               ("auto-suffix", n, "`auto-suffix`, no draft model"),
+               ("llama.cpp-ngram", d, "llama.cpp `ngram-simple`"),
+               ("llama.cpp-ngram-mod", d, "llama.cpp `ngram-mod`"),
+               ("llama.cpp-ngram-cache", d, "llama.cpp `ngram-cache`")]
+    lines = ["| method | " + " | ".join(SETS7) + " | mean acc. len (all) | equal to raw |",
+             "|---|" + "---:|" * (len(SETS7) + 2)]
+    for m, rows, label in methods:
+        cells = [x(rows[(m, s)]["speedup"]) for s in SETS7]
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | {f2(rows[(m, 'all')]['mean_accepted_length'])} | {equal(rows, m)} |")
+    dec = [f"{n[('auto-suffix', s)]['decode_tokens_per_s'] / n[('raw', s)]['decode_tokens_per_s']:.2f}x" for s in SETS7]
+    lines.append("| decode tokens/s only, `auto-suffix` no draft model | " + " | ".join(dec) + " | | |")
+    return "\n".join(lines) + "\n\n" + bench_meta_line(WITH_DRAFT) + "\n\n" + sources_footer(WITH_DRAFT, NO_DRAFT)
+
+
+def t_chain_k3() -> str:
+    c = summary(CHAIN)
+    lines = ["| method | " + " | ".join(SETS4) + " | mean acc. len (all) | draft share of wall time | equal to raw |",
+             "|---|" + "---:|" * (len(SETS4) + 3)]
+    for m in ("chain-k3", "auto"):
+        split = c[(m, "all")]["split"] or {}
+        lines.append(f"| `{m}` | " + " | ".join(x(c[(m, s)]["speedup"]) for s in SETS4)
+                     + f" | {f2(c[(m, 'all')]['mean_accepted_length'])} | {split.get('draft', 0):.0%} | {equal(c, m)} |")
+    return "\n".join(lines) + "\n\n" + bench_meta_line(CHAIN) + "\n\n" + sources_footer(CHAIN)
+
+
+def t_draft_acceptance() -> str:
+    c = summary(CHAIN)
+    lines = ["| shipped darter, int8, context rows | " + " | ".join(SETS4) + " |", "|---|" + "---:|" * len(SETS4)]
+    lines.append("| chain k=3, mean accepted length | " + " | ".join(f2(c[("chain-k3", s)]["mean_accepted_length"])
+                                                                  for s in SETS4) + " |")
+    lines.append("| chain k=3, speed against raw | " + " | ".join(x(c[("chain-k3", s)]["speedup"]) for s in SETS4) + " |")
+    return "\n".join(lines) + "\n\n" + bench_meta_line(CHAIN) + "\n\n" + sources_footer(CHAIN)
+
+
+def t_draft_step() -> str:
+    d = load(DRAFT_STEP)
+    lines = ["| setting (`--setting`) | weights | threads | ms per step, after a target decode | back to back "
+             "| equal to float32, first proposal / chain |", "|---|---|---:|---:|---:|---:|"]
+    for name, s in d["settings"].items():
+        lines.append(f"| `{name}` | {s['weights']} | {s['threads']} | {s['ms_per_step_after_target']:.2f} "
+                     f"| {s['ms_per_step']:.2f} | {s['equal_k1']:.1%} / {s['equal_chain']:.1%} |")
+    return (("\n".join(lines)) + f"\n\nChains of k={d['k']} from real rows, {d['context']} cached positions, "
+            f"{d['rounds']} rounds, settings interleaved.\n\n" + sources_footer(DRAFT_STEP))
+
+
+def t_kernels() -> str:
+    d = load(KERNELS)
+    modes = list(d["verify_ms"])
+    lines = ["| n | " + " | ".join(f"`{m}` t(n) ms | t(n)/t(1)" for m in modes) + " |",
+             "|---:|" + "---:|---:|" * len(modes)]
+    ns = sorted({int(n) for m in modes for n in d["verify_ms"][m]})
+    for n in ns:
+        cells = []
+        for m in modes:
+            v, one = d["verify_ms"][m][str(n)], d["verify_ms"][m]["1"]
+            cells += [f"{v:.2f}", f"{v / one:.2f}"]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    kern = "; ".join(f"`{m}`: {d['kernels'][m]}" for m in modes)
+    return ("\n".join(lines) + f"\n\nMedian of {d['passes']} interleaved passes, {d['threads']} threads; {kern}. "
+            f"Plan chosen here: {d['auto_plan']}.\n\n" + sources_footer(KERNELS))
+
+
+def t_server_one_client() -> str:
+    o = load(SERVER_ONE)["overhead"]
+    th = o["server_threads"]
+    rows = [("decode tokens/s, median: `run` / server (streamed, as the client sees it)",
+             f"{o['median_run_decode_tps']:.1f} / {o['median_server_decode_tps']:.1f}"),
+            (f"server / `run` decode speed, median of the {len(o['rows'])} interleaved pairs",
+             f"{o['median_decode_ratio']:.3f}"),
+            ("end to end (request sent to last byte, against `run`'s prefill + decode)", f"{o['median_e2e_ratio']:.3f}"),
+            ("greedy texts, server against `run`", "all equal" if o["all_texts_equal"] else "NOT all equal"),
+            ("event loop's share of the server's CPU time", f"{th['event_loop_share']:.1%}")]
+    lines = ["| | figure |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines) + "\n\n" + sources_footer(SERVER_ONE)
+
+
+def _batched(d: dict, server: str, spec: str) -> dict:
+    return next(c for c in d["batched"]["configs"] if c["server"] == server and c["spec"] == spec)
+
+
+def _best_ngram(d: dict) -> str:
+    """llama-server's fastest n-gram speculation that finished in the run."""
+    ngram = [c for c in d["batched"]["configs"] if c["server"] == "llama-server" and c["spec"] != "off"
+             and "aggregate_tps" in c]
+    return max(ngram, key=lambda c: c["aggregate_tps"])["spec"]
+
+
+def t_server_slots() -> str:
+    d = load(SERVER_SLOTS)
+    b = d["batched"]
+    lines = ["| server | speculation | aggregate tokens/s | time to first token p50 / p95 | greedy texts equal to one "
+             "sequence alone |", "|---|---|---:|---|---|"]
+    one = d["load"]
+    lines.append(f"| hetero-spec, one sequence at a time | off | {one['aggregate_tps']:.1f} | "
+                 f"{one['ttft_s']['p50']:.2f} s / {one['ttft_s']['p95']:.2f} s | (the reference) |")
+    names = {"hetero-spec": f"hetero-spec `--parallel {b['parallel']}`", "llama-server": f"llama-server `-np {b['parallel']}`"}
+    specs = {("hetero-spec", "on"): "copy drafts priced on the batch", ("llama-server", "off"): "off",
+             ("hetero-spec", "off"): "off (`--no-draft`)"}
+    for c in b["configs"]:
+        spec = specs.get((c["server"], c["spec"]), f"`--spec-type {c['spec']}`")
+        same = {True: "yes", False: "no", None: "-"}[c.get("texts_equal_one_sequence")]
+        if "aggregate_tps" not in c:
+            lines.append(f"| {names[c['server']]} | {spec} | crashed in every pass | | |")
+            continue
+        crashed = f" ({len(c['errors'])} of {b['passes']} passes crashed)" if c.get("errors") else ""
+        lines.append(f"| {names[c['server']]} | {spec} | {c['aggregate_tps']:.1f}{crashed} | {c['ttft_p50_s']:.2f} s / "
+                     f"{c['ttft_p95_s']:.2f} s | {same} |")
+    return ("\n".join(lines) + f"\n\n{one['clients']} concurrent streaming clients, {one['requests']} requests in all "
+            f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(SERVER_SLOTS))
+
+
+ENGINE_LINE = re.compile(r"(\d+) slot\(s\), (.+?): ([\d.]+) generated tok/s; wall ([\d.]+) s, in llama_decode ([\d.]+) s; "
+                         r"(\d+) steps of ([\d.]+) rows; a plain-rows step ([\d.]+) ms")
+
+
+def t_server_engine() -> str:
+    lines = ["| slots, rows | generated tokens/s | a step of plain rows only | wall / inside `llama_decode` |",
+             "|---|---:|---:|---|"]
+    for m in ENGINE_LINE.finditer(load(ENGINE)):
+        slots, kv, tps, wall, dec, _, _, step = m.groups()
+        lines.append(f"| {slots}, {kv} | {float(tps):.1f} | {float(step):.1f} ms | {wall} s / {dec} s |")
+    return "\n".join(lines) + "\n\n" + sources_footer(ENGINE)
+
+
+CROSS_LINE = re.compile(r"(same|cross): (.+?): ([\d.]+) tok/s; busy threads: (.+?); threads alive (\d+)")
+
+
+def t_cross_thread() -> str:
+    lines = ["| decodes | tokens/s | voluntary context switches per token (the two busy threads) | threads alive |",
+             "|---|---:|---|---:|"]
+    for m in CROSS_LINE.finditer(load(CROSS)):
+        kind, what, tps, busy, alive = m.groups()
+        switches = " / ".join(s.split(" CPU / ")[1].split(" switches")[0] for s in busy.split(", "))
+        lines.append(f"| {kind}: {what} | {float(tps):.1f} | {switches} | {alive} |")
+    return "\n".join(lines) + "\n\n" + sources_footer(CROSS)
+
+
+def draft_training(name: str) -> dict[str, Any]:
+    """The training summary the trainer writes into the draft file's safetensors metadata."""
+    with open(ROOT / "drafts" / name, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        meta = json.loads(fh.read(n)).get("__metadata__", {})
+    return {"config": json.loads(meta["hetero_spec.draft_config"]), "training": json.loads(meta["hetero_spec.training"])}
+
+
+def t_drafts() -> str:
+    lines = ["| file | architecture | steps (epochs) | training minutes (CPU-minutes) | training tokens "
+             "| held-out top-1, unrolled steps 1-4 | estimated accepted length, chain k=4 | in all |",
+             "|---|---|---:|---:|---:|---|---:|---|"]
+    for name in DRAFTS:
+        d = draft_training(name)
+        c, t = d["config"], d["training"]
+        taps = f", taps {','.join(map(str, c['taps']))}" if c.get("taps") else ""
+        arch = f"{c['fusion']} fusion, gate {c['gate']}, {c['n_blocks']} block{taps}, {c['reduced_vocab']}-row head"
+        cpu = t.get("train_cpu_seconds")
+        minutes = f"{t['train_seconds'] / 60:.0f}" + (f" ({cpu / 60:.0f})" if cpu else "")
+        steps = t["eval"].get("step_top1") or [t["eval"]["top1"]]
+        runs, all_steps, all_cpu, node = 1, t["steps"], cpu or t["train_seconds"], t.get("init_from")
+        while node:  # a run continued with --init-from records the file it started from, recursively
+            runs, all_steps = runs + 1, all_steps + node["steps"]
+            all_cpu += node.get("train_cpu_seconds") or node["train_seconds"]
+            node = node.get("init_from")
+        lineage = f"{runs} runs: {all_steps:,} steps, {all_cpu / 3600:.1f} CPU-hours" if runs > 1 else "1 run"
+        lines.append(f"| `drafts/{name}` | {arch} | {t['steps']:,} ({t['epochs']}) | {minutes} | {t['train_tokens']:,} "
+                     f"| {' / '.join(f'{s:.3f}' for s in steps)} | {t['eval']['accepted_length']:.2f} | {lineage} |")
+    return ("\n".join(lines) + "\n\nFrom each file's `hetero_spec.training` metadata: the trainer's closing "
+            "summary of the last run on that file, and under `init_from` the runs it continued. Held-out: "
+            "teacher-forced against the target's own argmax, on that run's held-out sequences.")
+
+
+def t_recorded(rel: str) -> str:
+    d = load(rel)
+    return "```text\n" + d["output"].rstrip() + "\n```\n\n" + sources_footer(rel)
+
+
+TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
+    "headline": (t_headline, [WITH_DRAFT, NO_DRAFT, CHAIN, SERVER_ONE, SERVER_SLOTS]),
+    "speedup-7sets": (t_speedup_7sets, [WITH_DRAFT, NO_DRAFT]),
+    "chain-k3": (t_chain_k3, [CHAIN]),
+    "draft-acceptance": (t_draft_acceptance, [CHAIN]),
+    "draft-step": (t_draft_step, [DRAFT_STEP]),
+    "kernels": (t_kernels, [KERNELS]),
+    "server-one-client": (t_server_one_client, [SERVER_ONE]),
+    "server-slots": (t_server_slots, [SERVER_SLOTS]),
+    "server-engine": (t_server_engine, [ENGINE]),
+    "cross-thread": (t_cross_thread, [CROSS]),
+    "drafts": (t_drafts, [f"../drafts/{n}" for n in DRAFTS]),
+}
+TABLES["suffix-overhead"] = ((lambda: t_recorded("suffix/overhead-per-round.json")), ["suffix/overhead-per-round.json"])
+for _p in sorted((RESULTS / "exactness").glob("*.json")):
+    _rel = f"exactness/{_p.name}"
+    TABLES[f"exactness-{_p.stem}"] = ((lambda r=_rel: t_recorded(r)), [_rel])
+
+
+def render(name: str) -> str:
+    if name not in TABLES:
+        raise click.ClickException(f"no table {name!r}; one of: {', '.join(TABLES)}")
+    return TABLES[name][0]().rstrip() + "\n"
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(name, body) of every results block in a document."""
+    return [(m.group(2), m.group(3)) for m in BLOCK.finditer(text)]
+
+
+def rewrite(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, help=__doc__)
+def cli() -> None:
+    pass
+
+
+@cli.command("list")
+def list_() -> None:
+    """Table names and the files under results/ they read."""
+    for name, (_, rels) in TABLES.items():
+        click.echo(f"{name}: {', '.join(rels)}")
+
+
+@cli.command()
+@click.argument("name")
+def show(name: str) -> None:
+    """Print one table."""
+    click.echo(render(name), nl=False)
+
+
+@cli.command()
+def write() -> None:
+    """Rewrite every results block in README.md, docs/*.md and drafts/README.md from the files."""
+    for doc in DOCS:
+        old = doc.read_text()
+        new = rewrite(old)
+        if new != old:
+            doc.write_text(new)
+            click.echo(f"rewrote {doc.relative_to(ROOT)}")
+
+
+@cli.command()
+def check() -> None:
+    """Exit 1 if a block in the docs differs from what the files give."""
+    stale = [f"{doc.relative_to(ROOT)}: {name}" for doc in DOCS for name, body in blocks(doc.read_text())
+             if body != render(name)]
+    if stale:
+        raise click.ClickException("stale results blocks (run `python scripts/results_tables.py write`): "
+                                   + "; ".join(stale))
+    click.echo("all results blocks match their files")
+
+
+@cli.command()
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              default=RESULTS / "plots" / "speedup-by-set.png", show_default=True)
+def plot(out: Path) -> None:
+    """Speed against raw per set and method, from the same bench files as the tables."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d, n = summary(WITH_DRAFT), summary(NO_DRAFT)
+    series = [("auto (darter + lookup)", d, "auto"), ("auto-suffix, no draft model", n, "auto-suffix"),
+              ("llama.cpp ngram-simple", d, "llama.cpp-ngram")]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(series)
+    for i, (label, rows, m) in enumerate(series):
+        ax.bar([j + i * width for j in range(len(SETS7))], [rows[(m, s)]["speedup"] for s in SETS7], width, label=label)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([j + width for j in range(len(SETS7))], SETS7)
+    ax.set_ylabel("tokens/s against raw (median over prompts)")
+    ax.set_title(f"SmolLM2-135M Q4_0, {load(WITH_DRAFT)['meta']['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    click.echo(f"wrote {out}")
+
+
+@cli.command()
+@click.argument("bench_json", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("name")
+@click.option("--command", "command", required=True, help="the hetero-spec bench command that wrote BENCH_JSON")
+def add(bench_json: Path, name: str, command: str) -> None:
+    """Copy a bench.json into results/bench/NAME.json with the command recorded in its meta."""
+    data = json.loads(bench_json.read_text())
+    if "meta" not in data or "summary" not in data:
+        raise click.ClickException(f"{bench_json}: not a hetero-spec bench.json (no meta/summary)")
+    data["meta"]["command"] = command
+    out = RESULTS / "bench" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    click.echo(f"wrote {out.relative_to(ROOT)}")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@cli.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("command")
+def record(out: Path, command: str) -> None:
+    """Run COMMAND (one bash string, run from the repository root) and keep its output as JSON at OUT.
+
+    The command is stored as written, so write it as a reader would type it
+    (``"$(python scripts/default_model.py)"``, not the path that expands to).
+    """
+    import os
+
+    proc = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise click.ClickException(f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    data = {"command": command, "cpu": f"{cpu_name()}, {os.cpu_count()} CPUs",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "output": proc.stdout}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    click.echo(proc.stdout, nl=False)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
