@@ -5,8 +5,8 @@ latency with concurrent clients, and the time to first token of a conversation's
 
 Both sides run at the same thread count: ``-t 0`` (the default) is the default of ``run`` and
 ``serve`` (every core), which is where a busy thread beside llama.cpp's shows.  Parts 1, 2 and 3
-run ``serve --parallel 1`` (one sequence at a time, the reference for exactness); part 2b the
-batched engine.
+run ``serve --parallel 1`` (one sequence at a time, the reference for exactness; ``--main-parallel``
+changes it); part 2b the batched engine.
 
 1. overhead   one sequential client: the same prompts through ``hetero-spec run --stats-json`` (a
               subprocess each) and through the server (a streaming request each), interleaved prompt
@@ -317,17 +317,22 @@ def pct(values: list[float]) -> dict:
 @click.option("--parallel", default=4, show_default=True, type=click.IntRange(2),
               help="slots of the batched part (ours and llama-server's)")
 @click.option("--passes", default=2, show_default=True, type=click.IntRange(1), help="passes of the batched part")
+@click.option("--main-parallel", default=1, show_default=True, type=click.IntRange(1, 32),
+              help="slots of the server parts 1-3 run against (1: one sequence, the reference of part 2b)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="write the figures as JSON")
 def main(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
-         parts, parallel, passes, out):
+         parts, parallel, passes, main_parallel, out):
     rows = [json.loads(ln)["turns"] for ln in shipped_text("mt_bench").splitlines() if ln.strip()]
     prompts = [t[0] for t in rows]
     engine = [str(draft), "--draft-device", "cpu"] if draft else ["--no-draft"]
-    engine += ["-t", str(threads), "--ctx", str(ctx), "--parallel", "1"]  # one sequence: the reference
+    engine += ["-t", str(threads), "--ctx", str(ctx)]
     wanted = set(parts.split(","))
-    with Server([str(model), *engine]) as srv, httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
+    # parts 1-3: one sequence at a time (the reference for exactness), unless --main-parallel says otherwise
+    with Server([str(model), *engine, "--parallel", str(main_parallel)]) as srv, \
+            httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
         stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
         result = {"model": model.name, "draft": draft.name if draft else None, "threads": threads,
+                  "main_parallel": main_parallel,
                   "cpu": cpu_name(), "n_cpus": os.cpu_count()}
         if "overhead" in wanted:
             result["overhead"] = overhead(http, model, engine, prompts[:n_prompts], max_tokens, repeats, srv.proc.pid)
