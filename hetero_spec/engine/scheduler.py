@@ -52,11 +52,10 @@ class Admitted:
 @dataclass(frozen=True)
 class Plan:
     """One step's rows, sorted by sequence, as (slot, row, kind) with kind ``plain``, ``draft``, ``prompt``
-    or ``pad``; ``span`` sequences each put in at least ``width`` rows (the shared micro-batch)."""
+    or ``pad``; ``counts``: (sequence, rows) in that order, what llama.cpp cuts into micro-batches."""
 
     rows: list[tuple[Slot, Row, str]]
-    span: int
-    width: int
+    counts: list[tuple[int, int]]
 
 
 class Scheduler:
@@ -139,9 +138,7 @@ class Scheduler:
     def plan(self, ks: dict[Slot, int]) -> Plan:
         """The step's rows with ``ks[slot]`` drafts for each generating slot (``slot.drafts`` holds them)."""
         by_seq = self._layout(ks)
-        rows = [r for seq in by_seq for r in by_seq[seq]]
-        widths = [len(r) for r in by_seq.values()]
-        return Plan(rows, len(by_seq), min(widths) if widths else 0)
+        return Plan([r for seq in by_seq for r in by_seq[seq]], [(seq, len(rows)) for seq, rows in by_seq.items()])
 
     def _layout(self, ks: dict[Slot, int]) -> dict[int, list[tuple[Slot, Row, str]]]:
         """Rows by sequence, in sequence order: each generating slot's pending token and drafts, the chunk,

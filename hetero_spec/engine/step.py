@@ -153,9 +153,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.target.decode([r for _, r, _ in plan.rows])
         decode_s = time.perf_counter() - t0
-        counts = [(seq, sum(1 for _, r, _ in plan.rows if r.seq == seq)) for seq in dict.fromkeys(
-            r.seq for _, r, _ in plan.rows)]
-        if len(micro_batches(counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
+        if len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
             self.cost.observe(len(plan.rows), 1e3 * decode_s)
         accepted = 0
         trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}

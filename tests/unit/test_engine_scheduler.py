@@ -67,6 +67,7 @@ def test_layout_sorts_rows_pads_gaps_and_chunks_one_prompt():
     pad = next(r for _, r, k in plan.rows if k == "pad")
     assert pad.pos == s2.n_past and not pad.output
     assert sch.counts({s3: 2, s0: 0}) == [(seq, len(kinds[seq])) for seq in range(4)]
+    assert plan.counts == sch.counts({s3: 2, s0: 0})  # the priced layout is the decoded one
     assert micro_batches(sch.counts({s3: 2, s0: 0}), 8) == [4, 8, 2]
     assert micro_batches(sch.counts({}), 8) == [4, 8]  # no drafts: the width-1 micro-batch and the chunk's rest
 
