@@ -16,6 +16,8 @@ were equal).  ``--json FILE`` writes the same figures.
 
 Settings (``--setting``, repeatable; default: all of them):
   float32         float32 weights, 1 thread, the general forward
+  (every int8 setting picks a chain step's proposal through the int8 head's ``best``: its top rows
+  rescored in float, no full logits)
   int8-1t-slow    the int8 runtime before issue 43: fbgemm int8 blocks and head, float32 fusion, the
                   general forward (``_blocks``), 1 thread
   int8-1t-onerow  the same with the one-position forward (``DraftRunner._forward_one``)
@@ -177,7 +179,9 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
                    f"equal to float32: k=1 {equal[n][0]:.1%}, chain {equal[n][1]:.1%} ({span} positions)")
     if json_out:
         with open(json_out, "w", encoding="utf-8") as fh:
-            json.dump({"k": k, "context": context, "rounds": rounds, "machine": machine(), "settings": out}, fh, indent=1)
+            command = f'python scripts/bench_draft_step.py "$(python scripts/default_model.py)" --rounds {rounds} --json {json_out}'
+            json.dump({"command": command, "k": k, "context": context, "rounds": rounds, "machine": machine(), "settings": out},
+                      fh, indent=1)
 
 
 def machine() -> str:

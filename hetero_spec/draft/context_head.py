@@ -75,6 +75,21 @@ class ContextHead:
         self.d2t_t = torch.as_tensor(self.d2t, device=self._device)
         return len(new)
 
+    def greedy(self, feat: torch.Tensor) -> torch.Tensor:
+        """feat [1, n_embd] -> the target id [] of the best row over both parts, on the device.
+
+        Through the base's ``best`` where it has one (``RescoredInt8Head``: the argmax without the full
+        logits), else the argmax of ``self(feat)``."""
+        best = getattr(self.base, "best", None)
+        if best is None:
+            return self.d2t_t[self(feat)[0].argmax()]
+        row, score = best(feat)
+        if self._extra is not None:
+            extra = (feat.to(self._extra.dtype) @ self._extra.t())[0]  # [n_added]
+            j = extra.argmax()
+            row = torch.where(extra[j].to(score.dtype) > score, j + len(self._base_d2t), row)
+        return self.d2t_t[row]
+
     def __call__(self, feat: torch.Tensor) -> torch.Tensor:
         """feat [B, n_embd] -> logits [B, len(self.d2t)]: the draft's head, then the added rows."""
         logits = self.base(feat)

@@ -280,7 +280,7 @@ class DraftRunner:
         x, feat = x[:, -1:], feat[:, -1:]  # [1, 1, hidden], [1, 1, n_embd]
         out: list[torch.Tensor] = []  # [] int64 each, on the device: read back once, after the last step
         for j in range(k):
-            tok = self._head.d2t_t[self._head(feat[0]).argmax()]
+            tok = self._head.greedy(feat[0])
             out.append(tok)
             if j + 1 < k:
                 x, feat = self._forward_step(self.model.drafted_input(x, feat), tok.view(1, 1))

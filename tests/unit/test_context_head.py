@@ -2,9 +2,11 @@
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from hetero_spec.draft.context_head import ContextHead
+from hetero_spec.draft.int8 import int8_available
 from hetero_spec.draft.runner import DraftRunner
 from tests.unit.test_draft_model import CFG, D, V, make_model
 
@@ -29,6 +31,28 @@ def test_added_rows_are_the_target_rows_and_score_after_the_draft_rows():
     torch.testing.assert_close(ch(feat), feat @ head[torch.as_tensor(ch.d2t)].t())
     ch.clear()
     assert ch.n_added == 0 and len(ch.d2t) == len(d2t) and ch.add([5]) == 1  # cleared rows come back on demand
+
+
+@pytest.mark.skipif(not int8_available(), reason="torch build without fbgemm")
+def test_greedy_is_the_argmax_over_draft_and_context_rows():
+    """``greedy`` (a chain step's proposal, through the int8 head's ``best``) picks what the argmax of the
+    full logits picks, whether a draft row or an added context row wins."""
+    from hetero_spec.draft.int8 import RescoredInt8Head
+
+    torch.manual_seed(3)
+    head, d2t = torch.randn(V, D), np.arange(0, 80, 2)
+    base = RescoredInt8Head(head[torch.as_tensor(d2t)], reduce_range=False, smooth=None)
+    ch = ContextHead(base, d2t, head, dtype=torch.float32, device=torch.device("cpu"))
+    ch.add(list(range(1, V, 2)))  # every odd id: context rows win about half the time
+    feats = torch.randn(200, D)
+    got = [int(ch.greedy(f)) for f in feats.split(1)]
+    want = [int(ch.d2t[i]) for i in ch(feats).argmax(-1)]
+    assert got == want
+    assert 0.2 < np.mean([t % 2 for t in got]) < 0.8, "one part always won, so the test shows nothing"
+    plain = ContextHead(lambda f: f @ head[d2t].t(), d2t, head, dtype=torch.float32, device=torch.device("cpu"))
+    plain.add([1, 3, 5])
+    f = torch.randn(1, D)
+    assert int(plain.greedy(f)) == int(plain.d2t[plain(f).argmax()])  # a base without ``best``
 
 
 def test_no_rows_without_a_source_and_none_past_the_limit():

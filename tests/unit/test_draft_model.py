@@ -245,6 +245,9 @@ def test_rescored_int8_head_picks_the_float_argmax():
     assert int((flat.argmax(-1) != exact.argmax(-1)).sum()) > 0  # the planted ties do flip without rescoring
     top = exact.topk(2, dim=-1).indices  # the best two (here often a planted pair) carry float's values
     torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+    best = [rescored.best(f) for f in feats.split(1)]  # the greedy path: the argmax without the full logits
+    assert [int(row) for row, _ in best] == exact.argmax(-1).tolist()
+    torch.testing.assert_close(torch.stack([score for _, score in best]), exact.max(-1).values, rtol=1e-5, atol=1e-5)
 
 
 def _gated_model(cfg: DraftConfig = CFG) -> DraftModel:
