@@ -1,4 +1,10 @@
-"""``hetero-spec bench`` and ``hetero-spec calibrate``: parse options, call one function each."""
+"""``hetero-spec bench`` and ``hetero-spec calibrate``: parse options, call one function each.
+
+``hetero-spec bench MODEL [DRAFT]`` is the speed benchmark (``bench speed``); the other measurements
+that are product features are its named subcommands: ``curve`` (the verification cost curve, the same
+command as ``calibrate``), ``project`` (a bench.json on other cost curves), ``server`` (the HTTP server
+under load, against llama-server) and ``training`` (training runs against training minutes).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +21,53 @@ def _split(value: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
-@click.command()
+class BenchGroup(click.Group):
+    """A group whose first argument, when it names no subcommand, goes to ``speed``: so ``hetero-spec bench
+    MODEL [DRAFT] ...`` keeps meaning what it always did.  Subcommands that live in other modules are
+    imported only when named ("module:attribute"), so ``bench server``'s httpx is needed only there."""
+
+    DEFAULT = "speed"
+    LAZY = {
+        "project": "hetero_spec.bench.project_cli:project",
+        "server": "hetero_spec.bench.server_load:server_load",
+        "training": "hetero_spec.bench.training_curves:training_curves",
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY and name not in self.commands:
+            import importlib
+
+            module, attr = self.LAZY[name].split(":")
+            try:
+                self.add_command(getattr(importlib.import_module(module), attr), name)
+            except ImportError as exc:
+                raise click.ClickException(f"bench {name} needs {exc.name}: pip install 'hetero-spec[server]'") from None
+        return super().get_command(ctx, name)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.list_commands(ctx) and args[0] not in ctx.help_option_names:
+            args = [self.DEFAULT, *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=BenchGroup, subcommand_metavar="[speed] MODEL [DRAFT] [OPTIONS] | COMMAND [ARGS]...",
+             context_settings={"help_option_names": ["-h", "--help"]})
+def bench() -> None:
+    """Measure speed against llama.cpp and the rest of what users run.
+
+    \b
+    hetero-spec bench MODEL [DRAFT] [OPTIONS]   the speed benchmark (bench speed --help for its options)
+    hetero-spec bench curve MODEL [DRAFT]       the verification cost curve (as calibrate)
+    hetero-spec bench project BENCH_JSON        a bench run projected on other cost curves
+    hetero-spec bench server MODEL [DRAFT]      the HTTP server under load, against llama-server
+    hetero-spec bench training HISTORY...       training runs against training minutes (a plot)
+    """
+
+
+@bench.command("speed")
 @click.argument("model", type=_FILE)
 @click.argument("draft", required=False, type=_FILE)
 @click.option("--datasets", default="mt_bench,humaneval,gsm8k,alpaca", show_default=True,
@@ -55,7 +107,7 @@ def _split(value: str) -> tuple[str, ...]:
               help="gguf: prompts in the model's chat template; plain: 'User: ...\\n\\nAssistant:' raw text, for base "
                    "models without a template")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path(file_okay=False, path_type=Path))
-def bench(model, draft, datasets, n_prompts, repeats, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
+def speed(model, draft, datasets, n_prompts, repeats, max_new_tokens, k, methods, threads, ctx, draft_device, draft_dtype,
           lookup_tokens, tree_tokens, tree_depth, tree_top_k, kv_type, llama_draft_model, eagle3_gguf, llama_args,
           curves, template, out) -> None:
     """Time raw llama.cpp, llama-cpp-python, llama.cpp's own speculation and hetero-spec side by side."""
@@ -135,3 +187,6 @@ def calibrate(model, draft, threads, quick, repeats, draft_device, out, plot) ->
         click.echo(f"draft step: {curve.draft_step_ms:.3f} ms (+{curve.draft_switch_ms:.3f} ms for a round's first "
                    "step, right after a target decode)")
     click.echo(f"wrote {path} and {png}", err=True)
+
+
+bench.add_command(calibrate, "curve")

@@ -58,7 +58,7 @@ def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, part
         meta = json.loads(fh.metadata()["hetero_spec.training"])
     assert meta["steps"] == 40 and 0 < meta["vocab_coverage"] <= 1 and meta["eval"]["accepted_length"] >= 1.0
     hist = tmp_path / "d.train" / "history.json"
-    compare = [sys.executable, str(Path(__file__).parents[2] / "scripts" / "compare_training.py")]
+    compare = [sys.executable, "-m", "hetero_spec", "bench", "training"]
     done = subprocess.run([*compare, str(hist), str(hist), "--out", str(tmp_path / "c.png")], capture_output=True, text=True)
     assert done.returncode == 0 and (tmp_path / "c.png").stat().st_size > 1000
     bad = subprocess.run([*compare, str(out), "--out", str(tmp_path / "x.png")], capture_output=True, text=True)

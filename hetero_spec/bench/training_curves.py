@@ -1,16 +1,16 @@
-"""Plot the held-out curves of several training runs against training minutes, one colour per run.
+"""``hetero-spec bench training``: the held-out curves of several training runs against training
+minutes, one colour per run.
 
 Equal wall-clock comparisons (darter against eagle3, drafts/README.md) are read on a time axis:
 a variant that costs more per step reaches a given step later, so curves against steps flatter it.
 
-    python scripts/compare_training.py darter.train/history.json eagle3.train/history.json \
+    hetero-spec bench training darter.train/history.json eagle3.train/history.json \
         --label darter --label eagle3 --out drafts/darter-vs-eagle3.png
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -30,11 +30,12 @@ def _evals(path: Path) -> list[dict]:
     return evals
 
 
-@click.command()
+@click.command("training")
 @click.argument("histories", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--label", "labels", multiple=True, help="One per history, in order (default: the folder name).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="PNG to write.")
-def main(histories: tuple[Path, ...], labels: tuple[str, ...], out: Path) -> None:
+def training_curves(histories: tuple[Path, ...], labels: tuple[str, ...], out: Path) -> None:
+    """Plot training runs' held-out acceptance against training minutes (equal wall-clock comparisons)."""
     if labels and len(labels) != len(histories):
         raise click.ClickException(f"{len(labels)} --label for {len(histories)} histories")
     runs = [_evals(path) for path in histories]  # all checked before anything is drawn
@@ -62,7 +63,3 @@ def main(histories: tuple[Path, ...], labels: tuple[str, ...], out: Path) -> Non
     fig.savefig(out, dpi=110)
     plt.close(fig)
     click.echo(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
-"""Project an earlier bench run onto other machines' cost curves (no re-run, no model needed).
+"""``hetero-spec bench project``: an earlier bench run on other machines' cost curves (no re-run, no model).
 
-    python scripts/bench_project.py bench-out/bench.json [--curve this-machine --curve laptop-7b-q4_0] [--write]
+    hetero-spec bench project bench-out/bench.json [--curve this-machine --curve laptop-7b-q4_0] [--write]
 
 Replays every prompt's recorded rounds (bench.json keeps them) against each curve, a shipped
 name or a ``hetero-spec calibrate --out`` JSON, and prints the projected decode speedups beside
@@ -14,19 +14,20 @@ from pathlib import Path
 
 import click
 
-from hetero_spec.bench.projection import CURVES, THIS_RUN, load_curve, project_result, this_run_curve
-from hetero_spec.bench.report import bench_dict, markdown, projection_markdown
-from hetero_spec.bench.results import load_bench_json
-from hetero_spec.errors import HeteroSpecError
+from ..errors import HeteroSpecError
+from .projection import CURVES, THIS_RUN, load_curve, project_result, this_run_curve
+from .report import bench_dict, markdown, projection_markdown
+from .results import load_bench_json
 
 
-@click.command()
+@click.command("project")
 @click.argument("bench_json", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--curve", "curves", multiple=True, default=tuple(CURVES), show_default=True,
               help="a shipped curve name, a calibration JSON, or this-run (the curve the bench timed "
                    "between its prompts, with --project this-run); repeatable")
 @click.option("--write", is_flag=True, help="store the projections in BENCH_JSON and rewrite bench.md beside it")
-def main(bench_json: Path, curves: tuple[str, ...], write: bool) -> None:
+def project(bench_json: Path, curves: tuple[str, ...], write: bool) -> None:
+    """Replay a bench.json's recorded rounds on other cost curves: projected decode speedups beside measured."""
     result = load_bench_json(bench_json)
     try:
         loaded = dict((THIS_RUN, this_run_curve(result)) if c == THIS_RUN else load_curve(c) for c in curves)
@@ -40,7 +41,3 @@ def main(bench_json: Path, curves: tuple[str, ...], write: bool) -> None:
         bench_json.write_text(json.dumps(bench_dict(result), indent=1))
         (bench_json.parent / "bench.md").write_text(markdown(result))
         click.echo(f"wrote {bench_json} and {bench_json.parent / 'bench.md'}", err=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,8 @@
-"""What the HTTP server costs: tokens/s through ``hetero-spec serve`` against ``hetero-spec run``,
-latency with concurrent clients, and the time to first token of a conversation's second turn.
+"""``hetero-spec bench server``: what the HTTP server costs.  Tokens/s through ``hetero-spec serve``
+against ``hetero-spec run``, latency with concurrent clients, the batched engine against llama-server,
+and the time to first token of a conversation's second turn.
 
-    python scripts/bench_server.py "$(python scripts/default_model.py)" --out bench-server.json
+    hetero-spec bench server "$(python scripts/default_model.py)" --out bench-server.json
 
 Both sides run at the same thread count: ``-t 0`` (the default) is the default of ``run`` and
 ``serve`` (every core), which is where a busy thread beside llama.cpp's shows.  Parts 1, 2 and 3
@@ -299,7 +300,18 @@ def pct(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "p95": qs[18], "n": len(values)}
 
 
-@click.command()
+PARTS = ("overhead", "load", "batched", "turns")
+
+
+def _parts(ctx: click.Context, param: click.Parameter, value: str) -> set[str]:
+    wanted = {v.strip() for v in value.split(",") if v.strip()}
+    unknown = sorted(wanted - set(PARTS))
+    if unknown or not wanted:
+        raise click.BadParameter(f"choose from {', '.join(PARTS)} (got {value!r})")
+    return wanted
+
+
+@click.command("server")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("draft", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--threads", "-t", default=0, show_default=True, type=click.IntRange(0),
@@ -312,7 +324,7 @@ def pct(values: list[float]) -> dict:
 @click.option("--per-client", default=3, show_default=True, help="requests each concurrent client sends")
 @click.option("--load-tokens", default=32, show_default=True, help="max_tokens of the load part's requests")
 @click.option("--conversations", default=6, show_default=True)
-@click.option("--parts", default="overhead,load,turns", show_default=True,
+@click.option("--parts", "wanted", default="overhead,load,turns", show_default=True, callback=_parts,
               help="which parts to run, comma-separated: overhead, load, batched, turns")
 @click.option("--parallel", default=4, show_default=True, type=click.IntRange(2),
               help="slots of the batched part (ours and llama-server's)")
@@ -320,13 +332,13 @@ def pct(values: list[float]) -> dict:
 @click.option("--main-parallel", default=1, show_default=True, type=click.IntRange(1, 32),
               help="slots of the server parts 1-3 run against (1: one sequence, the reference of part 2b)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="write the figures as JSON")
-def main(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
-         parts, parallel, passes, main_parallel, out):
+def server_load(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
+                wanted, parallel, passes, main_parallel, out):
+    """The server against run, concurrent clients, and the batched engine against llama-server -np N (docs/server.md)."""
     rows = [json.loads(ln)["turns"] for ln in shipped_text("mt_bench").splitlines() if ln.strip()]
     prompts = [t[0] for t in rows]
     engine = [str(draft), "--draft-device", "cpu"] if draft else ["--no-draft"]
     engine += ["-t", str(threads), "--ctx", str(ctx)]
-    wanted = set(parts.split(","))
     # parts 1-3: one sequence at a time (the reference for exactness), unless --main-parallel says otherwise
     with Server([str(model), *engine, "--parallel", str(main_parallel)]) as srv, \
             httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
@@ -341,6 +353,8 @@ def main(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, pe
         if "turns" in wanted:
             result["turns"] = turns(http, [(t[0], t[1]) for t in rows if len(t) > 1][:conversations], max_tokens)
     if "batched" in wanted:
+        if "load" not in wanted:
+            click.echo("batched: no load part in this run, so texts are not checked against one sequence", err=True)
         reference = result["load"]["texts"] if "load" in result else None
         result["batched"] = batched_load(model, threads, ctx, parallel, prompts, clients, per_client, load_tokens,
                                          passes, reference)
@@ -409,7 +423,3 @@ def report(r: dict) -> None:
         click.echo(f"second turn over {tu['conversations']} conversations: TTFT warm p50 "
                    f"{tu['warm_ttft_s']['p50']:.3f} s (prefill {tu['warm_prefill_s']['p50']:.3f} s) vs cold p50 "
                    f"{tu['cold_ttft_s']['p50']:.3f} s (prefill {tu['cold_prefill_s']['p50']:.3f} s)")
-
-
-if __name__ == "__main__":
-    main()
