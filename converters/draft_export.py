@@ -80,6 +80,15 @@ def eagle3_state(state: dict[str, torch.Tensor], cfg: DraftConfig, target_head: 
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def _rope_scaling_json(cfg: DraftConfig) -> dict | None:
+    """DraftConfig.rope_scaling as HF's config.json writes Llama 3's (None: plain RoPE)."""
+    if not cfg.rope_scaling:
+        return None
+    factor, low, high, original = cfg.rope_scaling
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": int(original)}
+
+
 def eagle3_config(cfg: DraftConfig, n_layer: int, dtype: torch.dtype) -> dict:
     """config.json as llama.cpp's converter (and vLLM / SGLang) read an EAGLE-3 head."""
     taps = list(cfg.taps)
@@ -95,7 +104,7 @@ def eagle3_config(cfg: DraftConfig, n_layer: int, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": _rope_scaling_json(cfg),
         "attention_bias": False,
         "mlp_bias": False,
         "max_position_embeddings": cfg.max_positions,

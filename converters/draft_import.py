@@ -94,24 +94,43 @@ def _common_checks(src: _Source, kind: str) -> None:
         raise DraftError(f"{name} has a vocabulary of {vocab}, the target has {meta.n_vocab}")
     if src.get("hidden_act", "silu") != "silu":
         raise DraftError(f"{name} uses activation {src.get('hidden_act')!r}; only silu (Llama) imports")
-    scaling = src.get("rope_scaling") or {}
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise DraftError(f"{name} uses RoPE scaling {scaling}; only plain RoPE imports")
+    _rope_scaling(src)  # refuses a scaling other than Llama 3's
     for flag in ("attention_bias", "qkv_bias", "mlp_bias", "norm_before_residual", "norm_before_fc"):
         if src.get(flag):
             raise DraftError(f"{name} sets {flag}, which hetero-spec's {kind} draft does not implement")
-    heads = int(src.get("num_attention_heads"))
     head_dim = src.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != int(hidden):
-        raise DraftError(f"{name} has head_dim {head_dim} x {heads} heads != hidden size {hidden}")
+    if head_dim is not None and (int(head_dim) < 2 or int(head_dim) % 2):
+        raise DraftError(f"{name} has head_dim {head_dim}; RoPE needs an even head size")
     biases = [k for k in src.state if k.endswith(".bias") and k != "fc.bias"]
     if biases:
         raise DraftError(f"{name} has biases hetero-spec's Llama block lacks ({', '.join(sorted(biases)[:3])})")
 
 
+def _rope_scaling(src: _Source) -> tuple[float, ...]:
+    """config.json's ``rope_scaling`` -> DraftConfig.rope_scaling: () for plain RoPE, Llama 3's four
+    parameters for rope type "llama3" (the public Llama 3.x heads); any other scaling is refused."""
+    scaling = src.get("rope_scaling") or (src.get("rope_parameters") or {})
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return ()
+    if kind != "llama3":
+        raise DraftError(f"{src.name} uses RoPE scaling {kind!r}; plain RoPE and Llama 3's import")
+    try:
+        return tuple(float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings"))
+    except (KeyError, TypeError, ValueError):
+        raise DraftError(f"{src.name} has an incomplete llama3 rope_scaling {scaling}") from None
+
+
 def _rope_theta(src: _Source) -> float:
     params = src.get("rope_parameters") or {}
     return float(src.get("rope_theta", params.get("rope_theta", 10000.0)))  # HF LlamaConfig's default
+
+
+def _head_size(src: _Source) -> int:
+    """DraftConfig.head_size: 0 where config.json's head_dim (if any) is the width split into the heads."""
+    head_dim, heads, hidden = src.get("head_dim"), int(src.get("num_attention_heads")), int(src.get("hidden_size"))
+    return 0 if head_dim is None or int(head_dim) * heads == hidden else int(head_dim)
 
 
 def _base_config(src: _Source, **shape) -> dict:
@@ -123,7 +142,8 @@ def _base_config(src: _Source, **shape) -> dict:
     base = dict(n_embd=src.meta.n_embd, n_vocab=src.meta.n_vocab, hidden_size=int(src.get("hidden_size")),
                 n_heads=int(src.get("num_attention_heads")),
                 n_kv_heads=int(src.get("num_key_value_heads", src.get("num_attention_heads"))),
-                ffn_size=int(src.get("intermediate_size")), rope_theta=_rope_theta(src),
+                ffn_size=int(src.get("intermediate_size")), rope_theta=_rope_theta(src), rope_scaling=_rope_scaling(src),
+                head_size=_head_size(src),
                 rms_eps=float(src.get("rms_norm_eps", 1e-6)), gate="none", fingerprint=src.meta.fingerprint)
     if "max_positions" in extra:
         base["max_positions"] = int(extra["max_positions"])

@@ -62,9 +62,16 @@ class DraftConfig:
     first_attn_norm: bool = True  # False: block 0's q/k/v read the fused x unnormed (EAGLE-1/2's layer 0)
     own_head: bool = False  # True: the file stores its own head rows (``own_head``), not the target's
     own_embed: bool = False  # True: the file stores its own token embedding (``own_embed``)
+    # 0: hidden_size / n_heads.  Else the attention head size of an imported head whose heads are not a
+    # split of its width (Qwen3-4B's EAGLE-3 heads: 32 heads of 128 over a width of 2,560).
+    head_size: int = 0
+    # Llama 3's RoPE frequency scaling (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), as the public Llama 3.x EAGLE-3 heads were trained with; () none.
+    rope_scaling: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "taps", tuple(int(i) for i in self.taps))
+        object.__setattr__(self, "rope_scaling", tuple(float(v) for v in self.rope_scaling))
         if self.fusion not in ("dgf", "fc", "eagle3"):
             raise ConfigError(f"fusion must be 'dgf', 'fc' or 'eagle3', not {self.fusion!r}")
         if self.fusion == "eagle3" and not self.first_attn_norm:
@@ -75,17 +82,24 @@ class DraftConfig:
             raise ConfigError(f"taps must be distinct block indices, not {list(self.taps)}")
         if self.gate not in ("darter", "none"):
             raise ConfigError(f"gate must be 'darter' or 'none', not {self.gate!r}")
-        if self.hidden_size % self.n_heads or self.n_heads % self.n_kv_heads:
+        if (not self.head_size and self.hidden_size % self.n_heads) or self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"hidden_size {self.hidden_size} must divide into {self.n_heads} heads "
                 f"and heads into {self.n_kv_heads} kv heads"
             )
-        if (self.hidden_size // self.n_heads) % 2:
+        if self.head_dim % 2 or self.head_dim < 2:
             raise ConfigError("head size must be even for RoPE")
+        if self.rope_scaling:
+            if len(self.rope_scaling) != 4:
+                raise ConfigError("rope_scaling is (factor, low_freq_factor, high_freq_factor, "
+                                  f"original_max_position_embeddings), not {list(self.rope_scaling)}")
+            factor, low, high, original = self.rope_scaling
+            if factor <= 0 or original <= 0 or not 0 < low < high:
+                raise ConfigError(f"rope_scaling {list(self.rope_scaling)} needs factor > 0 and 0 < low < high")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        return self.head_size or self.hidden_size // self.n_heads
 
     @property
     def feature_size(self) -> int:
@@ -117,8 +131,8 @@ class DraftConfig:
 
 # DraftConfig fields written only when they differ from these (drafts made before them stay readable by
 # older hetero-spec versions, whose from_json refuses unknown keys).
-_IMPORT_FLAG_DEFAULTS: dict[str, bool] = {"final_norm": True, "first_attn_norm": True, "own_head": False,
-                                          "own_embed": False}
+_IMPORT_FLAG_DEFAULTS: dict[str, Any] = {"final_norm": True, "first_attn_norm": True, "own_head": False,
+                                         "own_embed": False, "head_size": 0, "rope_scaling": ()}
 
 
 # Named draft shapes; the CLI's --preset and the trainer pick from here.

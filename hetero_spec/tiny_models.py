@@ -8,7 +8,7 @@ every one.  Real weights of these families are not on PyPI, so the architecture 
 random-weight models with the real structure, small enough to build in seconds and decode in
 milliseconds:
 
-1. a transformers config of the family (2 layers, hidden 256, GQA where the family has it),
+1. a transformers config of the family (4 layers, enough for EAGLE-3's 3 taps, hidden 256, GQA where the family has it),
    random weights (seeded), ``save_pretrained``;
 2. a byte-level BPE tokenizer trained with ``tokenizers`` on the shipped bench prompts (512 ids,
    ChatML special tokens and chat template, so ``export-features`` and ``chat`` work);
@@ -47,14 +47,14 @@ from typing import Iterator
 
 from .errors import HeteroSpecError
 
-BUILDER_VERSION = 1  # bump when a config, the tokenizer or the conversion changes: the cache key
+BUILDER_VERSION = 2  # bump when a config, the tokenizer or the conversion changes: the cache key
 QUANTS = ("Q4_0", "Q8_0", "Q4_K_M")
 VOCAB = 512
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: BOS, turn start, EOS/end of turn
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # shapes shared by every family: small, but wide enough for k-quants (see the module docstring)
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 4, 4, 2, 64
 
 
 class TinyModelError(HeteroSpecError):
@@ -90,10 +90,10 @@ FAMILIES: dict[str, TinyFamily] = {f.name: f for f in (
                {"num_key_value_heads": HEADS, "pad_token_id": 0, "original_max_position_embeddings": 1024}),
     TinyFamily("gemma2", "gemma2", "Gemma2Config", "Gemma2ForCausalLM", "gpt-2", "Gemma 2 (soft-capping, SWA)",
                {"head_dim": HEAD_DIM, "sliding_window": 16, "query_pre_attn_scalar": HEAD_DIM,
-                "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0}),
+                "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2), "pad_token_id": 0}),
     TinyFamily("gemma3", "gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", "gpt-2", "Gemma 3 (QK norms, SWA)",
                {"head_dim": HEAD_DIM, "sliding_window": 16, "query_pre_attn_scalar": HEAD_DIM,
-                "layer_types": ["sliding_attention", "full_attention"], "pad_token_id": 0}),
+                "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2), "pad_token_id": 0}),
 )}
 
 

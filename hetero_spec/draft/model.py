@@ -95,9 +95,23 @@ def rope_tables(cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [max_positions, head_dim] (halves duplicated, rotate-half convention)."""
     half = cfg.head_dim // 2
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    if cfg.rope_scaling:
+        inv = llama3_scaled(inv, *cfg.rope_scaling)
     ang = torch.outer(torch.arange(cfg.max_positions, dtype=torch.float64), inv)
     ang = torch.cat((ang, ang), dim=-1)
     return ang.cos().float(), ang.sin().float()
+
+
+def llama3_scaled(inv: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_positions: float) -> torch.Tensor:
+    """Llama 3's RoPE frequencies: wavelengths longer than the original context / low_freq_factor are
+    stretched by ``factor``, those shorter than original / high_freq_factor are kept, and the band between
+    is blended linearly in original / wavelength (Meta's ``apply_scaling``, HF's rope type "llama3")."""
+    wavelen = 2 * math.pi / inv
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > original_max_positions / low_freq_factor, inv / factor, blended)
+    return torch.where(wavelen < original_max_positions / high_freq_factor, inv, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

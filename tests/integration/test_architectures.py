@@ -202,6 +202,11 @@ def test_speculative_output_equals_plain_decoding(tiny_models, drafts, case):
                   "auto": dict(draft_len="auto")}
     with HeteroSpec(path, drafts[family], n_ctx=512, threads=1, draft_device="cpu", draft_dtype="float32") as hs:
         hs._curve = CHEAP_ROWS
+        # the first-use check may find no row count past 1 exact (tiny Qwen3-MoE Q4_0 without repacking, whose
+        # expert matmuls change kernels from 2 rows): speculation is then capped to plain decoding, and must be
+        # (docs/exactness.md)
+        can_verify = hs.exact_rows >= 2
+        assert can_verify or (family, quant) == ("qwen3moe", "Q4_0"), f"{family} {quant}: {hs.exact_rows} exact rows"
         for name, kw in modes.items():
             drafted = 0
             for p in PROMPTS:
@@ -209,7 +214,7 @@ def test_speculative_output_equals_plain_decoding(tiny_models, drafts, case):
                 out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, **kw)
                 assert out.tokens == ref[p], f"{family} {quant} {name} diverged on {p[:40]!r}"
                 drafted += sum(r.drafted for r in out.stats.rounds)
-            assert drafted > 0 or name == "auto", f"{name}: nothing was verified"
+            assert (drafted > 0) == can_verify or name == "auto", f"{name}: {drafted} drafted, {hs.exact_rows} exact rows"
     lookups = 0
     with HeteroSpec(path, n_ctx=512, threads=1) as hs:
         hs._curve = CHEAP_ROWS
@@ -219,7 +224,8 @@ def test_speculative_output_equals_plain_decoding(tiny_models, drafts, case):
                           suffix=False)
             assert out.tokens == ref[p], f"{family} {quant} lookup diverged on {p[:40]!r}"
             lookups += sum(r.drafted for r in out.stats.rounds)
-    assert lookups > 0, "prompt lookup never drafted (random models loop, so it should)"
+    assert (lookups > 0) == can_verify, f"prompt lookup drafted {lookups} tokens with {hs.exact_rows} exact rows " \
+                                        "(random models loop, so it drafts wherever it may)"
 
 
 # ------------------------------------------------------------------------------------------- taps
