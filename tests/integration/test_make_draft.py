@@ -55,9 +55,10 @@ def test_the_draft_runs_exactly_and_the_report_and_plot_exist(made, tiny_model, 
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert out.with_suffix(".report.png").stat().st_size > 10_000
     assert f"wrote {out}" in proc.stdout and "tau per unrolled step" in proc.stdout
-    # the shipped recipe, sized from the model: 2 blocks -> taps 0,1; 512 ids -> the whole vocabulary
+    # the shipped recipe, sized from the model: 4 blocks -> taps 1, 2 (low, middle and high collapse); 512 ids ->
+    # the whole vocabulary
     draft = load_draft(out)
-    assert draft.cfg.taps == (0, 1) and draft.cfg.gate == "darter" and draft.cfg.n_blocks == 1
+    assert draft.cfg.taps == (1, 2) and draft.cfg.gate == "darter" and draft.cfg.n_blocks == 1
     assert draft.cfg.n_embd == 256 and draft.cfg.n_vocab == 512
     assert report["corpus"]["parts"] >= 1 and 0 < report["corpus"]["conversations"] <= 48
     assert report["training"]["steps"] >= 1
