@@ -24,6 +24,7 @@ from .spec.policy import AutoPolicy, FixedPolicy, Shape
 from .spec.suffix import SuffixCache
 from .target.invariance import Invariance
 from .target.llama_target import LlamaTarget, TargetOptions
+from .target.sequences import SequenceTarget
 from .text_stream import TextAssembler
 
 if TYPE_CHECKING:
@@ -403,9 +404,11 @@ def draft_taps(path: str | Path | None) -> tuple[int, ...]:
     return read_config(path).taps
 
 
-def load_runner(target: LlamaTarget, path: str | Path, *, device: str, dtype: str, denoise: DenoiseConfig):
-    """Load a draft file against this target: check the fingerprint, borrow embedding and head;
-    a CPU draft's int8 weights are calibrated on the target's features of ``CALIBRATION_TEXT``."""
+def load_runner(target: LlamaTarget | SequenceTarget, path: str | Path, *, device: str, dtype: str,
+                denoise: DenoiseConfig):
+    """Load a draft file against this target (one sequence, or the batched engine's): check the fingerprint,
+    borrow embedding and head; a CPU draft's int8 weights are calibrated on the target's features of
+    ``CALIBRATION_TEXT``."""
     import torch
 
     from . import int8_cache
@@ -428,9 +431,23 @@ def load_runner(target: LlamaTarget, path: str | Path, *, device: str, dtype: st
     return runner
 
 
-def _calibration_rows(target: LlamaTarget):
+def _calibration_rows(target: LlamaTarget | SequenceTarget):
     """(features [n-1, n_embd], next tokens [n-1]) of CALIBRATION_TEXT; leaves the target's cache empty."""
     ids = target.tokenize(CALIBRATION_TEXT)
+    if isinstance(target, SequenceTarget):  # sequence 0, in decodes of at most batch_rows rows
+        import numpy as np
+
+        from .target.sequences import Row
+
+        ids = ids[: target.seq_ctx]
+        step = target.options.batch_rows
+        feats = []
+        for start in range(0, len(ids), step):
+            chunk = ids[start:start + step]
+            target.decode([Row(0, t, start + i, True) for i, t in enumerate(chunk)])
+            feats.append(target.features())
+        target.clear(0)
+        return np.concatenate(feats)[:-1], ids[1:]
     was = target.embeddings
     target.reset()  # a cached prefix would return the new rows only
     target.set_embeddings(True)

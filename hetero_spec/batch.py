@@ -7,6 +7,9 @@ all its rows), with the same answers it would get one by one.
 >>> with BatchGenerator("SmolLM2-135M-Instruct.Q4_0.gguf", slots=4) as bg:
 ...     outs = bg.chat([[{"role": "user", "content": q}] for q in questions], max_new_tokens=64)
 >>> outs[0].text, outs[0].stop_reason
+
+With a draft file, the draft model drafts for every greedy slot (``engine/drafts.py``), as deep as
+pays on the whole batch.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .target.llama_target import BATCH_INVARIANT_ROWS
 from .target.sequences import SequenceOptions, SequenceTarget
 
 COPY_DEPTH = 16  # longest copy-draft chain a slot verifies in a step (as the server's)
+DRAFT_DEPTH = 4  # longest draft-model chain (as the server's)
 
 
 @dataclass
@@ -45,14 +49,33 @@ class BatchGenerator:
     ``drafts``: copy drafts (suffix matches over the prompt, the answer and earlier answers of the job),
     priced on the batch; a seeded sampled answer draws the same tokens as alone."""
 
-    def __init__(self, model: str | Path, *, slots: int = 4, n_ctx: int = 4096, threads: int = 0,
-                 kv_type: str = DEFAULT_KV_TYPE, drafts: bool = True) -> None:
-        if not Path(model).is_file():
-            raise HeteroSpecError(f"no such model file: {model}")
+    def __init__(self, model: str | Path, draft: str | Path | None = None, *, slots: int = 4, n_ctx: int = 4096,
+                 threads: int = 0, kv_type: str = DEFAULT_KV_TYPE, drafts: bool = True, draft_device: str = "auto",
+                 draft_dtype: str = "auto") -> None:
+        """``draft``: a draft file for ``model`` (its chains verified beside the copies); ``drafts`` False: no
+        draft rows of any kind."""
+        from .api import draft_taps, load_runner
+        from .config import DenoiseConfig
+        from .engine.drafts import SlotDrafts
+
+        for path in (model, draft):
+            if path is not None and not Path(path).is_file():
+                raise HeteroSpecError(f"no such file: {path}")
+        draft = draft if drafts else None
         rows = min(exact_micro_batch(model, threads=threads, kv_type=kv_type), BATCH_INVARIANT_ROWS)
         self.target = SequenceTarget(model, SequenceOptions(n_seq=slots, seq_ctx=n_ctx, n_threads=threads,
-                                                            kv_type=kv_type, max_rows=rows))
-        self.engine = Engine(self.target, max_waiting=slots, drafting=Drafting(lookup_depth=COPY_DEPTH if drafts else 0))
+                                                            kv_type=kv_type, max_rows=rows, features=draft is not None,
+                                                            taps=draft_taps(draft)))
+        try:
+            slot_drafts = None
+            if draft is not None:
+                runner = load_runner(self.target, draft, device=draft_device, dtype=draft_dtype, denoise=DenoiseConfig())
+                slot_drafts = SlotDrafts(runner, slots)
+        except BaseException:
+            self.target.close()
+            raise
+        drafting = Drafting(lookup_depth=COPY_DEPTH if drafts else 0, draft_depth=DRAFT_DEPTH if draft else 0)
+        self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts)
         if drafts:
             self.engine.calibrate()
 

@@ -198,8 +198,8 @@ def _parse_parallel(ctx, param, value) -> int:
 @click.option("--model-alias", help="model id in /v1/models and requests (default: the GGUF file name, no .gguf)")
 @click.option("--parallel", default="auto", show_default=True, callback=_parse_parallel,
               help="slots: requests decoded together in one llama_decode per step, --ctx cells each (> 1: the "
-                   "batched engine, prompt lookup but no draft model yet); auto: 4 without a draft model "
-                   "(llama-server's default), 1 with one")
+                   "batched engine: copy drafts, and a DRAFT's chains up to --draft-len deep, priced on the batch; "
+                   "no trees); auto: 4 without a draft model (llama-server's default), 1 with one")
 def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
           ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
           model_alias, parallel) -> None:

@@ -1,12 +1,15 @@
-"""What an engine step costs: the batched engine in-process, one slot against N, plain and with copy drafts.
+"""What an engine step costs: the batched engine in-process, one slot against N, plain and with drafts.
 
     python scripts/bench_engine.py "$(python scripts/default_model.py)" --slots 4 --prompts 8 --max-tokens 128
+    python scripts/bench_engine.py "$(python scripts/default_model.py)" --draft drafts/smollm2-135m-darter.safetensors
 
 Every mt_bench first turn (chat template applied) is queued at once; the engine runs until all are
 answered.  Per configuration: wall time, time inside llama_decode, steps and rows per step, the cost
 of a step holding only plain rows (one token per generating slot), and generated tokens/s.  The
 last row lets the engine draft (suffix-match copies priced on the batch, ``engine/cost.py``), after
-its start-up probe of step costs.
+its start-up probe of step costs.  With ``--draft``, three more: the draft model's chains (up to 4 deep,
+priced on the batch) with 1 and with N slots, and N slots drafting 3 every step (unpriced), each with its
+acceptance and the draft's measured step time.
 """
 from __future__ import annotations
 
@@ -22,16 +25,28 @@ from hetero_spec.engine import Drafting, Engine, Request
 from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
 
 
-def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, threads: int) -> dict:
-    opts = SequenceOptions(n_seq=n_seq, seq_ctx=1024, n_threads=threads)
+def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, threads: int,
+        draft: Path | None = None, draft_depth: int = 0, priced: bool = True) -> dict:
+    from hetero_spec.api import draft_taps, load_runner
+    from hetero_spec.config import DenoiseConfig
+    from hetero_spec.engine.drafts import SlotDrafts
+
+    opts = SequenceOptions(n_seq=n_seq, seq_ctx=1024, n_threads=threads, features=draft is not None,
+                           taps=draft_taps(draft))
     with SequenceTarget(model, opts) as t:
-        engine = Engine(t, max_waiting=len(texts), drafting=Drafting(lookup_depth=depth))
-        if depth:
+        drafts = None
+        if draft is not None:
+            drafts = SlotDrafts(load_runner(t, draft, device="cpu", dtype="auto", denoise=DenoiseConfig()), n_seq)
+        engine = Engine(t, max_waiting=len(texts), draft=drafts,
+                        drafting=Drafting(lookup_depth=depth, draft_depth=draft_depth, priced=priced))
+        if depth or draft_depth:
             engine.calibrate()
+        submitted: list[Request] = []
         for text in texts:
             chat = render_chat(t.chat_template, [{"role": "user", "content": text}], bos_token=t.bos_token,
                                eos_token=t.eos_token)
-            engine.submit(Request(t.tokenize(chat, add_special=False), max_tokens))
+            submitted.append(Request(t.tokenize(chat, add_special=False), max_tokens))
+            engine.submit(submitted[-1])
         t0 = time.perf_counter()
         steps = rows = generated = plain_steps = 0
         decode_s = plain_s = 0.0
@@ -46,9 +61,13 @@ def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, 
                 plain_steps += 1
                 plain_s += rec.decode_s
         wall = time.perf_counter() - t0
-    return {"slots": n_seq, "draft_depth": depth, "wall_s": wall, "decode_s": decode_s, "steps": steps,
-            "rows_per_step": rows / steps, "plain_step_ms": 1e3 * plain_s / max(plain_steps, 1),
-            "generated_tps": generated / wall}
+        draft_rows = sum(r.drafted for r in submitted)
+        accepted = sum(r.accepted for r in submitted)
+        step_ms = drafts.step_ms if drafts is not None else None
+    return {"slots": n_seq, "lookup_depth": depth, "draft_depth": draft_depth, "priced": priced, "wall_s": wall,
+            "decode_s": decode_s, "steps": steps, "rows_per_step": rows / steps,
+            "plain_step_ms": 1e3 * plain_s / max(plain_steps, 1), "generated_tps": generated / wall,
+            "drafted": draft_rows, "accepted": accepted, "draft_step_ms": step_ms}
 
 
 @click.command()
@@ -57,14 +76,32 @@ def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, 
 @click.option("--prompts", default=8, show_default=True, type=click.IntRange(1))
 @click.option("--max-tokens", default=128, show_default=True)
 @click.option("--threads", "-t", default=0, show_default=True, help="0: every core")
-def main(model, slots, prompts, max_tokens, threads):
+@click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a draft file: also run its chains in the slots")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write the rows here")
+def main(model, slots, prompts, max_tokens, threads, draft, json_out):
     turns = [json.loads(ln)["turns"][0] for ln in shipped_text("mt_bench").splitlines() if ln.strip()][:prompts]
-    for n_seq, depth in ((1, 0), (slots, 0), (slots, 16)):
-        r = run(model, n_seq, depth, turns, max_tokens, threads)
-        click.echo(f"{r['slots']} slot(s), {'copy drafts priced on the batch' if depth else 'plain rows'}: "
-                   f"{r['generated_tps']:.1f} generated tok/s; wall {r['wall_s']:.2f} s, in llama_decode "
-                   f"{r['decode_s']:.2f} s; {r['steps']} steps of {r['rows_per_step']:.1f} rows; a plain-rows step "
-                   f"{r['plain_step_ms']:.1f} ms")
+    configs = [(1, 0, None, 0, True, "plain rows"), (slots, 0, None, 0, True, "plain rows"),
+               (slots, 16, None, 0, True, "copy drafts priced on the batch")]
+    if draft is not None:
+        configs += [(1, 0, draft, 4, True, "draft model priced"), (slots, 0, draft, 4, True, "draft model priced"),
+                    (slots, 0, draft, 3, False, "draft model, 3 every step")]
+    rows = []
+    for n_seq, depth, d, k, priced, label in configs:
+        r = run(model, n_seq, depth, turns, max_tokens, threads, d, k, priced)
+        rows.append({**r, "label": label})
+        extra = ""
+        if d is not None:
+            extra = (f"; {r['drafted']} drafted, {r['accepted']} accepted, draft step "
+                     f"{r['draft_step_ms'] or float('nan'):.2f} ms")
+        click.echo(f"{r['slots']} slot(s), {label}: {r['generated_tps']:.1f} generated tok/s; wall {r['wall_s']:.2f} s, "
+                   f"in llama_decode {r['decode_s']:.2f} s; {r['steps']} steps of {r['rows_per_step']:.1f} rows; a "
+                   f"plain-rows step {r['plain_step_ms']:.1f} ms{extra}")
+    if json_out:
+        command = (f'python scripts/bench_engine.py "$(python scripts/default_model.py)" --slots {slots} --prompts '
+                   f'{prompts} --max-tokens {max_tokens}' + (f" -t {threads}" if threads else "")
+                   + (f" --draft {draft}" if draft else "") + f" --json {json_out}")
+        json_out.write_text(json.dumps({"command": command, "rows": rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":

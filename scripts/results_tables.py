@@ -46,7 +46,7 @@ DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
 KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
 SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
-ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-steps.txt"
+ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-draft.json"
 CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
 DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
 
@@ -278,16 +278,14 @@ def t_server_slots() -> str:
             f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(SERVER_SLOTS))
 
 
-ENGINE_LINE = re.compile(r"(\d+) slot\(s\), (.+?): ([\d.]+) generated tok/s; wall ([\d.]+) s, in llama_decode ([\d.]+) s; "
-                         r"(\d+) steps of ([\d.]+) rows; a plain-rows step ([\d.]+) ms")
-
 
 def t_server_engine() -> str:
-    lines = ["| slots, rows | generated tokens/s | a step of plain rows only | wall / inside `llama_decode` |",
-             "|---|---:|---:|---|"]
-    for m in ENGINE_LINE.finditer(load(ENGINE)):
-        slots, kv, tps, wall, dec, _, _, step = m.groups()
-        lines.append(f"| {slots}, {kv} | {float(tps):.1f} | {float(step):.1f} ms | {wall} s / {dec} s |")
+    lines = ["| slots, rows | generated tokens/s | rows per step | wall / inside `llama_decode` | draft-model rows accepted |",
+             "|---|---:|---:|---|---:|"]
+    for r in load(ENGINE)["rows"]:
+        accepted = f"{r['accepted']} of {r['drafted']}" if r["draft_depth"] else "-"
+        lines.append(f"| {r['slots']}, {r['label']} | {r['generated_tps']:.1f} | {r['rows_per_step']:.1f} | "
+                     f"{r['wall_s']:.2f} s / {r['decode_s']:.2f} s | {accepted} |")
     return "\n".join(lines) + "\n\n" + sources_footer(ENGINE)
 
 

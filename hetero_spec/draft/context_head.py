@@ -50,6 +50,11 @@ class ContextHead:
             self._covered = np.zeros(self._source.shape[0], dtype=bool)  # [n_vocab]
             self._covered[self._base_d2t] = True
 
+    def fresh(self) -> "ContextHead":
+        """A head over the same rows with nothing added: one per text (a server slot each)."""
+        return ContextHead(self.base, self._base_d2t, self._source, dtype=self._dtype, device=self._device,
+                           limit=self.limit)
+
     @property
     def n_added(self) -> int:
         return 0 if self._extra is None else self._extra.shape[0]

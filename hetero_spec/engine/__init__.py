@@ -3,11 +3,12 @@
     slots.py      Slot: one request's sequence (its llama.cpp seq id, prompt, answer, sampling state, kept cells)
     scheduler.py  FIFO admission with a bound and prefix affinity, and the layout of a step's rows
     cost.py       what a step costs by its rows and how often drafts are accepted: speculation priced on the batch
+    drafts.py     SlotDrafts: a draft model's weights once, a KV cache and context rows per slot
     step.py       Engine: one step = build the rows -> one llama_decode -> accept each slot's tokens
 
-The engine runs plain rows, prompt chunks and prompt-lookup draft rows (greedy requests; no
-draft-model rows yet); every greedy answer equals the same prompt decoded alone (tested), whatever
-else shares the steps.
+The engine runs plain rows, prompt chunks and draft rows (greedy requests): copies from suffix
+matches and, with a draft model, its chains for every slot; every greedy answer equals the same
+prompt decoded alone (tested), whatever else shares the steps.
 """
 from __future__ import annotations
 

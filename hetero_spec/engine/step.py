@@ -6,6 +6,12 @@ one micro-batch, and one prompt chunk (``scheduler.py`` says why this layout); l
 into micro-batches of at most 32 rows, the bound under which its rows are batch-invariant, so a
 greedy answer is the same whoever else is served (tested against single-sequence decoding, logits
 bit for bit).  How many drafts a step verifies is priced on the batch (``cost.py``).
+
+Drafts come from two sources: copies of what followed a suffix match in the request's text or in past
+answers (``spec/suffix.py``), and, with a draft model (``drafts.py``), the model's chains for slots with
+no copy behind a long match.  A draft model's step is paid before the decode it feeds, so whether it
+runs, and how deep, is priced first: every slot that would draft adds its expected accepted tokens,
+and the step adds the draft's measured step time per depth to the decode's price.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from ..spec.sampling import process_support, sample_support
 from ..spec.suffix import SuffixCache, SuffixConfig
 from ..target.sequences import Row, SequenceTarget
 from .cost import PROBE_ROWS, Acceptance, StepCost, expected_accepted, micro_batches
+from .drafts import SlotDrafts
 from .scheduler import Scheduler
 from .slots import Request, Slot
 
@@ -37,6 +44,7 @@ class Drafting:
     lookup_min_match: int = 8
     priced: bool = True
     cache_tokens: int = SuffixConfig.cache_tokens
+    draft_depth: int = 0  # a draft model's chain per step, at most (0: no draft model; needs Engine(draft=...))
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,10 @@ class StepRecord:
 
 
 MATCH_BUCKETS = (8, 16, 32)  # match lengths from which drafts are trusted, counted apart (the first: lookup_min_match)
+NEURAL = 0  # the Engine.trusted key of the draft model's chains
+NEURAL_PRIOR = 0.5  # its acceptance per token until measured
+PROBE_EVERY = 32  # steps without the draft model after which it drafts once anyway, to keep its acceptance current;
+PROBE_MAX = 1024  # ... doubled after each probe that did not make it pay, up to this
 
 
 @dataclass
@@ -76,14 +88,30 @@ class Engine:
     >>> answers = engine.generate_many([ids_a, ids_b], max_new_tokens=64)   # list of id lists
     """
 
-    def __init__(self, target: SequenceTarget, *, max_waiting: int = 16, drafting: Drafting = Drafting()) -> None:
+    def __init__(self, target: SequenceTarget, *, max_waiting: int = 16, drafting: Drafting = Drafting(),
+                 draft: SlotDrafts | None = None) -> None:
+        """``draft``: a draft model for the slots (``drafting.draft_depth`` > 0), on a target opened with
+        features (``SequenceOptions(features=True, taps=<the draft's>)``)."""
         self.target = target
         self.drafting = drafting
-        self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx)
+        self.draft = draft if drafting.draft_depth > 0 else None
+        if self.draft is not None:
+            if not target.options.features or target.feature_size != self.draft.feature_size:
+                raise ValueError(f"the draft reads {self.draft.feature_size} values per row; open the target with "
+                                 f"features=True and the draft's taps (it gives {target.feature_size})")
+            if len(self.draft.slots) < target.options.n_seq:
+                raise ValueError(f"the draft has {len(self.draft.slots)} slots for {target.options.n_seq} sequences")
+        self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx,
+                                   prompt_outputs=self.draft is not None)
         self.cost = StepCost()
         # acceptance of trusted drafts by the length of the match behind them (an exact repeat of a past answer
-        # matches far back and is copied almost whole), and of guesses that only fill the batch's width
+        # matches far back and is copied almost whole), of the draft model's chains, and of guesses that only
+        # fill the batch's width
         self.trusted = {b: Acceptance(prior=p) for b, p in zip(MATCH_BUCKETS, (0.8, 0.9, 0.95))}
+        self.trusted[NEURAL] = Acceptance(prior=NEURAL_PRIOR)
+        self._probe_every = PROBE_EVERY  # steps without drafting before a probe (doubles while probes do not pay)
+        self._since_draft = PROBE_EVERY  # the first chance to draft probes
+        self._after_probe = False
         self.guess = Acceptance(prior=0.1)
         self.suffix_cache = SuffixCache(SuffixConfig(max_depth=max(1, drafting.lookup_depth),
                                                      cache_tokens=drafting.cache_tokens))
@@ -141,7 +169,11 @@ class Engine:
         for a in sch.admit(self.suffix_cache if self.drafting.lookup_depth > 0 else None):
             self.target.keep(a.slot.seq, a.reuse)  # the cells of the prompt's start stay, the rest leave
             reused += a.reuse
+            if self.draft is not None:
+                self.draft.start(a.slot.seq, a.slot.request.prompt, a.reuse, active=a.slot.rng is None)
         proposals = self._propose()
+        if self.draft is not None:
+            proposals |= self._draft_chains(proposals)
         ks = self._choose(proposals)
         for slot, prop in proposals.items():
             k = ks.get(slot, 0)
@@ -155,16 +187,27 @@ class Engine:
         decode_s = time.perf_counter() - t0
         if len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
             self.cost.observe(len(plan.rows), 1e3 * decode_s)
+        feats = self.target.features() if self.draft is not None and len(logits) else None
         accepted = 0
         trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}
-        for slot, outs in _outputs_by_slot(plan.rows).items():
+        for slot, outs in _output_rows(plan.rows).items():
             if slot.free:
                 continue
+            req = slot.request
+            before = len(req.out)
+            prompt = [(j, row) for j, row, kind in outs if kind == "prompt"]
             if slot.prefilling:
                 slot.fed += sum(1 for s, _, kind in plan.rows if s is slot and kind == "prompt")
-            if outs:
-                accepted += self._accept(slot, [logits[j] for j in outs])
-            if slot.request.done:
+            picking = [j for j, row, kind in outs if kind != "prompt" or row.pos == len(req.prompt) - 1]
+            if picking:
+                accepted += self._accept(slot, [logits[j] for j in picking])
+            if feats is not None and not req.done:
+                picked = req.out[before:]
+                real = [(j, req.prompt[row.pos + 1]) for j, row in prompt if row.pos + 1 < len(req.prompt)]
+                real += list(zip(picking, picked))  # each kept row with the token picked after it
+                if real:
+                    self.draft.feed(slot.seq, feats[[j for j, _ in real]], [t for _, t in real])
+            if req.done:
                 finished.append(self._release(slot))
                 trim.discard(slot)
         for slot in trim:  # rejected drafts and pad rows leave, newest first
@@ -204,6 +247,59 @@ class Engine:
             fill = tokens[-1] if tokens else slot.pending
             out[slot] = Proposal(tokens + [fill] * (room - len(tokens)), sure, room, bucket)
         return out
+
+    def _draft_chains(self, copies: dict[Slot, Proposal]) -> dict[Slot, Proposal]:
+        """The draft model's chains for generating greedy slots without a copy behind a long match, as deep as
+        pays on this step (``_draft_depth``); trusted as drafts of their own kind (``NEURAL``)."""
+        slots = [s for s in self.scheduler.generating if self.draft.slots[s.seq].active
+                 and not (s in copies and copies[s].sure)]
+        if not slots:
+            return {}
+        k, probe = self._draft_depth(slots)
+        if k == 0:  # after a probe that did not make drafting pay, the next probe waits twice as long
+            self._since_draft += 1
+            if self._after_probe:
+                self._probe_every, self._after_probe = min(2 * self._probe_every, PROBE_MAX), False
+            return {}
+        if not probe:  # priced and paying: probes are frequent again once it stops paying
+            self._probe_every = PROBE_EVERY
+        elif self.drafting.priced and self.draft.step_ms is not None:
+            # a probe samples acceptance in one slot, the one with the fewest rows queued (they are all read)
+            slots = [min(slots, key=lambda s: self.draft.slots[s.seq].queued)]
+        self._after_probe = probe
+        self._since_draft = 0
+        chains = self.draft.propose([s.seq for s in slots], k)
+        out = {}
+        for slot in slots:
+            req = slot.request
+            room = min(k, req.max_new_tokens - len(req.out), self.target.seq_ctx - 1 - (slot.n_past + 1))
+            tokens = chains.get(slot.seq, [])[:room]
+            if tokens:
+                out[slot] = Proposal(tokens, len(tokens), len(tokens), NEURAL)
+        return out
+
+    def _draft_depth(self, slots: list[Slot]) -> tuple[int, bool]:
+        """How deep the draft model drafts for ``slots`` this step, and whether it is a probe: of
+        0..``draft_depth``, the depth whose step (the draft's steps, then the decode with every such slot that
+        deep) gives the most expected tokens per millisecond; the full depth when unpriced, and, as a probe
+        that keeps the acceptance current, after ``PROBE_EVERY`` steps without drafting (twice as many after
+        each probe that did not make it pay, up to ``PROBE_MAX``: a probe reads every row queued since)."""
+        depth = self.drafting.draft_depth
+        if not self.drafting.priced:
+            return depth, False
+        if self.draft.step_ms is None or self._since_draft >= self._probe_every:
+            return depth, True
+        if not self.cost.known:
+            return 0, False
+        rate, n_gen = self.trusted[NEURAL].rate, len(self.scheduler.generating)
+        best_k, best_value = 0, -1.0
+        for k in range(depth + 1):
+            ks = {s: k for s in slots}
+            ms = sum(self.cost.at(n) for n in micro_batches(self.scheduler.counts(ks), self.target.options.max_rows))
+            value = (n_gen + len(slots) * expected_accepted([rate] * k)) / (ms + k * self.draft.step_ms)
+            if value > best_value:
+                best_k, best_value = k, value
+        return best_k, False
 
     def _choose(self, proposals: dict[Slot, Proposal]) -> dict[Slot, int]:
         """Drafts per generating slot this step: of a few layouts (none; every proposing slot as deep, guesses
@@ -306,14 +402,14 @@ class Engine:
         return [r.out for r in requests]
 
 
-def _outputs_by_slot(rows) -> dict:
-    """{slot: indices into the decode's logits of its output rows, in row order} (slots in row order)."""
+def _output_rows(rows) -> dict:
+    """{slot: [(index into the decode's logits, row, kind)] of its output rows, in row order} (slots in row order)."""
     out: dict = {}
     j = 0
-    for slot, row, _ in rows:
-        idx = out.setdefault(slot, [])
+    for slot, row, kind in rows:
+        mine = out.setdefault(slot, [])
         if row.output:
-            idx.append(j)
+            mine.append((j, row, kind))
             j += 1
     return out
 

@@ -45,18 +45,22 @@ def create_app(load: Callable[[], Any], server: ServerConfig, options: dict | No
     (``app.state.worker.hs`` once ready); ``options`` are its drafting options
     (``EngineConfig.generate_options()``: draft_len, tree, draft_p_min, lookup).
 
-    ``slots`` > 1: ``load()`` builds a ``SequenceTarget`` of that many sequences instead, and requests
-    decode together in the batched engine (``slot_worker.py``; plain rows, and prompt-lookup rows unless
-    ``options["lookup"]`` is False or ``options["draft_len"]`` is 0, as ``--no-draft`` makes it)."""
+    ``slots`` > 1: ``load()`` builds a ``SlotModel`` (a ``SequenceTarget`` of that many sequences, and the
+    slots' drafts with a draft file) instead, and requests decode together in the batched engine
+    (``slot_worker.py``; plain rows, copy drafts unless ``options["lookup"]`` is False, the draft model's
+    chains up to ``options["draft_len"]`` deep, none of either when it is 0, as ``--no-draft`` makes it)."""
     queue = RequestQueue(server.max_queue, slots)
     metrics = Metrics(queue_depth=lambda: queue.depth, busy=lambda: queue.busy, slots=slots)
     if slots > 1:
         from ..engine import Drafting
-        from .slot_worker import LOOKUP_DEPTH, SlotWorker
+        from .slot_worker import DRAFT_DEPTH, LOOKUP_DEPTH, SlotWorker
 
         opts = options or {}
-        lookup = opts.get("lookup", True) and opts.get("draft_len", "auto") != 0  # --no-draft: plain rows only
-        worker = SlotWorker(load, queue, metrics, slots, Drafting(lookup_depth=LOOKUP_DEPTH if lookup else 0))
+        draft_len = opts.get("draft_len", "auto")
+        lookup = opts.get("lookup", True) and draft_len != 0  # --no-draft: plain rows only
+        depth = DRAFT_DEPTH if draft_len == "auto" else int(draft_len)  # a draft model's chain, at most (priced)
+        worker = SlotWorker(load, queue, metrics, slots, Drafting(lookup_depth=LOOKUP_DEPTH if lookup else 0,
+                                                                  draft_depth=depth))
     else:
         worker = Worker(load, queue, metrics, options or {})
     gate = Gate(queue, worker, server)

@@ -30,14 +30,14 @@ class EngineConfig:
     tree: TreeSpec | None = None
     draft_p_min: float | None = None
     lookup: bool = True
-    parallel: int = 1  # slots: > 1 decodes that many requests together in the batched engine (plain rows)
+    parallel: int = 1  # slots: > 1 decodes that many requests together in the batched engine
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
             raise ConfigError(f"--parallel must be >= 1, not {self.parallel}")
-        if self.parallel > 1 and self.draft is not None:
-            raise ConfigError("--parallel > 1 decodes plainly for now (no draft-model rows in the batched engine "
-                              "yet, only prompt lookup); add --no-draft, or serve with --parallel 1 to use the draft")
+        if self.parallel > 1 and self.tree is not None:
+            raise ConfigError("--tree drafts for one sequence at a time: the batched engine (--parallel > 1) verifies "
+                              "chains; drop --tree, or serve with --parallel 1")
 
     def generate_options(self) -> dict:
         """Keyword arguments of ``HeteroSpec.generate`` that come from the server, not the request."""

@@ -5,8 +5,9 @@ one request at a time through ``HeteroSpec`` it keeps up to N requests in the sl
 ``hetero_spec.engine.Engine``: each step is one ``llama_decode`` holding every active slot's rows.
 The model is loaded, used and closed on this thread (``worker.py`` says why).
 
-Plain rows and, for greedy requests, prompt-lookup draft rows, as many per step as pay on the
-whole batch (``engine/cost.py``); no draft model in the steps yet.  Greedy answers equal the same
+Plain rows and, for greedy requests, draft rows as many per step as pay on the whole batch
+(``engine/cost.py``): copies from suffix matches, and with a draft model its chains, every slot's in
+the same decode.  Greedy answers equal the same
 request served alone, bit for bit (tests/integration/test_engine.py checks the logits;
 tests/integration/test_server.py the texts through the server).
 """
@@ -15,11 +16,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..chat_template import render_chat
 from ..engine import Drafting, Engine, Request, StepRecord
+from ..engine.drafts import SlotDrafts
 from ..errors import HeteroSpecError
 from ..records import Round, RunStats
 from ..target.sequences import SequenceTarget
@@ -32,6 +34,18 @@ from .worker import FINISH_REASONS, STREAM_FLUSH_S, ModelThread, Work
 
 log = logging.getLogger("hetero_spec.server")
 LOOKUP_DEPTH = 16  # longest copy-draft chain a slot verifies in a step (long ones only behind long matches)
+DRAFT_DEPTH = 4  # longest draft-model chain a slot verifies in a step with --draft-len auto
+
+
+@dataclass
+class SlotModel:
+    """What the slot worker's thread loads: the multi-sequence target and, with a draft file, the slots' drafts."""
+
+    target: SequenceTarget
+    drafts: SlotDrafts | None = None
+
+    def close(self) -> None:
+        self.target.close()
 
 
 @dataclass(eq=False)
@@ -64,10 +78,16 @@ class SlotWorker(ModelThread):
         self.engine: Engine | None = None
         self._live: dict[int, Live] = {}  # by id(request)
 
-    def _opened(self, target: SequenceTarget) -> None:
-        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
-        if self.drafting.lookup_depth > 0:  # prices the draft rows of a step before the first request
+    def _opened(self, model: SlotModel | SequenceTarget) -> None:
+        if isinstance(model, SequenceTarget):  # a loader of the target alone: no draft model
+            model = SlotModel(model)
+        drafting = self.drafting if model.drafts is not None else replace(self.drafting, draft_depth=0)
+        self.engine = Engine(model.target, max_waiting=self.n_slots, drafting=drafting, draft=model.drafts)
+        if drafting.lookup_depth > 0 or drafting.draft_depth > 0:  # prices a step's draft rows before the first request
             self.engine.calibrate()
+        if self.engine.draft is not None:
+            log.info("draft model (%s weights) drafts up to %d tokens for each of %d slots, priced on the batch",
+                     self.engine.draft.runner.weights, drafting.draft_depth, self.n_slots)
 
     def retry_after(self) -> int:
         waves = (self.queue.depth + 1) / self.n_slots

@@ -86,6 +86,15 @@ def enable_taps(model: ModelHandle, ctx_ptr, taps: tuple[int, ...]):
     return api
 
 
+def model_fingerprint(model: ModelHandle, architecture: str, n_embd: int, n_vocab: int) -> TargetFingerprint:
+    """What a draft file must match: the architecture, the width, and a hash of every token's text."""
+    h = hashlib.sha256()
+    for t in range(n_vocab):
+        h.update(C.llama_vocab_get_text(model.vocab, t))
+        h.update(b"\0")
+    return TargetFingerprint(architecture=architecture, n_embd=n_embd, n_vocab=n_vocab, tokenizer_sha256=h.hexdigest())
+
+
 def kv_type_id(name: str, model=None) -> int:
     """The ggml type of KV cells ``name``; with ``model`` (a ModelHandle), F16 where the model's head
     size is not a multiple of the quantized block (32), since llama.cpp cannot make such a cache."""
@@ -176,16 +185,7 @@ class LlamaTarget(Vocabulary, Owners):
     @property
     def fingerprint(self) -> TargetFingerprint:
         if self._fingerprint is None:
-            h = hashlib.sha256()
-            for t in range(self.n_vocab):
-                h.update(C.llama_vocab_get_text(self._model.vocab, t))
-                h.update(b"\0")
-            self._fingerprint = TargetFingerprint(
-                architecture=self.architecture,
-                n_embd=self.n_embd,
-                n_vocab=self.n_vocab,
-                tokenizer_sha256=h.hexdigest(),
-            )
+            self._fingerprint = model_fingerprint(self._model, self.architecture, self.n_embd, self.n_vocab)
         return self._fingerprint
 
     # ------------------------------------------------------------------- decoding

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import DEFAULT_KV_TYPE
+from ..config import DEFAULT_KV_TYPE, TargetFingerprint
 from ..errors import TargetError
 from . import _ffi
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
-from .llama_target import BATCH_INVARIANT_ROWS, default_threads, kv_type_id
+from .llama_target import BATCH_INVARIANT_ROWS, default_threads, enable_taps, kv_type_id, model_fingerprint
 from .vocabulary import Vocabulary
 
 
@@ -48,6 +48,10 @@ class SequenceOptions:
     kv_unified: bool = False  # one KV stream shared by all sequences (see the module docstring)
     max_rows: int = BATCH_INVARIANT_ROWS  # rows per micro-batch (llama.cpp's n_ubatch): the exactness bound
     capacity: int = 0  # rows per llama_decode call, cut into micro-batches by llama.cpp; 0: 16 per sequence + max_rows
+    # per-row features for a draft model (``features``): the final-norm hidden state, or with ``taps`` the
+    # inputs of those blocks (EAGLE-3), as ``LlamaTarget`` hands them to a draft
+    features: bool = False
+    taps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_seq < 1 or self.seq_ctx < 16 or not 1 <= self.max_rows <= BATCH_INVARIANT_ROWS:
@@ -86,17 +90,41 @@ class SequenceTarget(Vocabulary, Owners):
         try:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self.n_threads = options.n_threads or default_threads()
+            self.architecture = self._model.meta("general.architecture") or "unknown"
+            self.n_embd = C.llama_model_n_embd(self._model.ptr)
             self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.batch_rows,
                                       n_ubatch=options.max_rows,
-                                      n_threads=self.n_threads, embeddings=False, n_seq_max=options.n_seq,
+                                      n_threads=self.n_threads, embeddings=options.features, n_seq_max=options.n_seq,
                                       kv_unified=options.kv_unified, flash_attn=-1,
                                       kv_type=kv_type_id(options.kv_type, self._model))
             self._batch = BatchHandle(options.batch_rows, n_seq_max=1)
+            self._taps = enable_taps(self._model, self._ctx.ptr, options.taps) if options.features else None
         except BaseException:
             self.close()
             raise
         self.seq_ctx = options.seq_ctx
         self.n_ctx = options.seq_ctx  # what one request may use, as LlamaTarget.n_ctx
+        self.feature_size = self.n_embd * len(options.taps) if options.taps else self.n_embd
+        self._fingerprint: TargetFingerprint | None = None
+        self._out_rows: list[int] = []  # with features: the output rows of the last decode, and how many rows it had
+        self._n_rows = 0
+
+    @property
+    def fingerprint(self) -> TargetFingerprint:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self._model, self.architecture, self.n_embd, self.n_vocab)
+        return self._fingerprint
+
+    def features(self) -> np.ndarray:
+        """The last decode's features of its output rows, in row order: ``[n_output, feature_size]`` float32 (a
+        copy); only with ``SequenceOptions.features``."""
+        if not self.options.features:
+            raise TargetError("this SequenceTarget was opened without features")
+        n, rows = self._n_rows, self._out_rows
+        if self._taps is None:
+            return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))[rows]
+        return np.concatenate([np.ctypeslib.as_array(self._taps.get(self._ctx.ptr, i), shape=(n, self.n_embd))[rows]
+                               for i in self.options.taps], axis=1)
 
     def decode(self, rows: list[Row]) -> np.ndarray:
         """One ``llama_decode`` of ``rows`` (at most ``batch_rows``; llama.cpp cuts it into micro-batches of at
@@ -105,14 +133,19 @@ class SequenceTarget(Vocabulary, Owners):
         b = self._batch
         if not 0 < n <= b.capacity:
             raise TargetError(f"a decode takes 1..{b.capacity} rows, not {n}")
+        every = self.options.features  # with embeddings on, llama.cpp outputs every row whatever the flags say
         for i, r in enumerate(rows):
             if not 0 <= r.pos < self.seq_ctx:
                 raise TargetError(f"position {r.pos} is outside sequence {r.seq}'s {self.seq_ctx} cells")
-            b.token[i], b.pos[i], b.output[i] = r.token, r.pos, int(r.output)
+            b.token[i], b.pos[i], b.output[i] = r.token, r.pos, int(r.output or every)
             b.seq_ids[i][0] = r.seq
         b.n_seq_id[:n] = 1
         b.raw.n_tokens = n
         _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
+        if every:  # every row came out: keep the asked-for ones (a copy), and where they are for ``features``
+            self._out_rows = [i for i, r in enumerate(rows) if r.output]
+            self._n_rows = n
+            return np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n, self.n_vocab))[self._out_rows]
         n_out = sum(1 for r in rows if r.output)
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)

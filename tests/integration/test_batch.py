@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from hetero_spec import BatchGenerator, HeteroSpec, HeteroSpecError
+
+DARTER = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-darter.safetensors"
 
 QUESTIONS = ["Name a colour.", "Repeat exactly: red, green, blue, red, green, blue, red, green, blue.",
              "What is 2 + 2?", "Say hello in French.", "List three fruits.", "Name a planet."]
@@ -30,8 +34,17 @@ def test_batch_answers_equal_alone(model_path, alone, drafts):
         assert all(o.drafted == 0 for o in outs)
 
 
+def test_batch_with_a_draft_model_equals_alone(model_path, alone):
+    """The shipped draft drafting in every slot: the same texts, and its rows verified and accepted."""
+    with BatchGenerator(model_path, DARTER, slots=3, n_ctx=512, threads=1) as bg:
+        assert bg.engine.draft is not None and bg.engine.drafting.draft_depth > 0
+        outs = bg.chat([[{"role": "user", "content": q}] for q in QUESTIONS], max_new_tokens=32, progress=False)
+    assert [o.text for o in outs] == alone
+    assert sum(o.drafted for o in outs) > 0 and sum(o.accepted for o in outs) > 0
+
+
 def test_batch_bad_input_is_one_error(model_path, tmp_path):
-    with pytest.raises(HeteroSpecError, match="no such model file"):
+    with pytest.raises(HeteroSpecError, match="no such file"):
         BatchGenerator(tmp_path / "missing.gguf")
     with BatchGenerator(model_path, slots=2, n_ctx=64, threads=1, drafts=False) as bg:
         with pytest.raises(HeteroSpecError, match="prompt 1 has"):

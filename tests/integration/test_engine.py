@@ -7,6 +7,8 @@ served in a slot beside others (prompt chunks and plain rows of other sequences 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -238,3 +240,121 @@ def test_micro_batches_follow_split_equal():
     assert micro_batches([(0, 5), (1, 1), (2, 5), (3, 1)], 32) == [4, 4, 4]
     assert micro_batches([(s, 5) for s in range(8)], 32) == [32, 8]
     assert micro_batches([(0, 1), (1, 33)], 32) == [2, 32]
+
+
+# ------------------------------------------------------------------------------ a draft model in the slots
+DARTER = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-darter.safetensors"
+
+
+def slot_drafts(target: SequenceTarget, n_slots: int, dtype: str = "auto"):
+    from hetero_spec.api import load_runner
+    from hetero_spec.config import DenoiseConfig
+    from hetero_spec.engine.drafts import SlotDrafts
+
+    return SlotDrafts(load_runner(target, DARTER, device="cpu", dtype=dtype, denoise=DenoiseConfig()), n_slots)
+
+
+def test_draft_model_chains_in_every_slot_keep_answers_and_logits_exact(model_path, prompts, reference):
+    """The shipped draft drafts 3 tokens for every generating slot each step (unpriced): every verified row's
+    logits are still those of decoding alone, and every chain a slot proposed is the one a draft alone proposes
+    from the same text's features, so each slot's cache read the right rows (prompt rows, kept rows and the
+    token picked after each) in the right order."""
+    from hetero_spec.api import draft_taps
+    from hetero_spec.target.sequences import Row
+
+    opts = SequenceOptions(n_seq=3, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
+    with SequenceTarget(model_path, opts) as target:
+        drafts = slot_drafts(target, 3)
+        engine = Engine(target, max_waiting=8, drafting=Drafting(draft_depth=3, priced=False), draft=drafts)
+        calls = []  # (request, position of its pending token, the chain proposed)
+        propose = drafts.propose
+
+        def spy(seqs, k):
+            out = propose(seqs, k)
+            calls.extend((engine.scheduler.slots[s].request, engine.scheduler.slots[s].n_past, c) for s, c in out.items())
+            return out
+
+        drafts.propose = spy
+        requests = [Request(p, n, keep_logits=True) for p, n in zip(prompts, MAX_NEW)]
+        for r in requests:
+            engine.submit(r)
+        records = [rec for rec, _ in engine.run() if rec]
+        assert max(rec.active_slots for rec in records) == 3
+        assert sum(r.drafted for r in requests) > 0 and sum(r.accepted for r in requests) > 0
+        for req, (out, logits) in zip(requests, reference):
+            assert req.out == out
+            assert all(np.array_equal(a, b) for a, b in zip(req.logits, logits))
+        alone = slot_drafts(target, 1)
+        for req in requests:  # the text's features, decoded whole in sequence 0 (bit-identical to the steps')
+            text = req.prompt + req.out
+            target.clear(0)
+            target.decode([Row(0, t, p, True) for p, t in enumerate(text[:-1])])
+            feats = target.features()
+            mine = [(pos, chain) for r, pos, chain in calls if r is req]
+            assert mine or len(req.out) < 2
+            for pos, chain in mine:
+                alone.start(0, req.prompt, reused=0)
+                alone.feed(0, feats[:pos], text[1:pos + 1])
+                assert alone.propose([0], k=3)[0] == chain, f"the chain at position {pos} differs"
+
+
+def test_slot_drafts_propose_what_a_draft_alone_proposes(model_path, prompts):
+    """Two texts fed to two slots in turns, a reused prefix skipped in one: each slot's chains equal those of a
+    draft that read only its own text, so no slot sees another's cells or context rows."""
+    from hetero_spec.api import draft_taps
+    from hetero_spec.target.sequences import Row
+
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
+    with SequenceTarget(model_path, opts) as target:
+        texts = [prompts[2], prompts[4]]
+        feats = []
+        for seq, ids in enumerate(texts):
+            target.decode([Row(seq, t, p, True) for p, t in enumerate(ids)])
+            feats.append(target.features())
+        both = slot_drafts(target, 2, dtype="float32")
+        alone = [slot_drafts(target, 1, dtype="float32") for _ in texts]
+    skip = 3  # slot 1's first cells were reused from an earlier request: no features, skipped
+    for seq, ids in enumerate(texts):
+        both.start(seq, ids, reused=skip * seq)
+        alone[seq].start(0, ids, reused=skip * seq)
+    fed = [0, skip]  # rows each slot has been given
+    got, want = {0: [], 1: []}, {0: [], 1: []}
+    for cut in range(skip + 2, min(len(t) for t in texts) - 1, 5):
+        for seq, ids in enumerate(texts):  # each slot's rows up to the cut, the slots in turns
+            rows, nexts = feats[seq][fed[seq]:cut], ids[fed[seq] + 1:cut + 1]
+            both.feed(seq, rows, nexts)
+            alone[seq].feed(0, rows, nexts)
+            fed[seq] = cut
+        out = both.propose([0, 1], k=3)
+        for seq in (0, 1):
+            got[seq].append(out[seq])
+            want[seq].append(alone[seq].propose([0], k=3)[0])
+    assert got == want and len(got[0]) >= 3
+    assert got[0] != got[1]
+
+
+def test_draft_model_is_priced_off_when_rows_are_dear_and_probes_back_off(model_path, prompts):
+    """With every extra row as dear as a decode of its own the draft model only probes: at the first chance, then
+    after 64 steps without drafting, then 128 (each probe that does not make it pay doubles the wait from 32)."""
+    from hetero_spec.api import draft_taps
+
+    opts = SequenceOptions(n_seq=1, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
+    with SequenceTarget(model_path, opts) as target:
+        drafts = slot_drafts(target, 1)
+        engine = Engine(target, max_waiting=2, drafting=Drafting(draft_depth=3), draft=drafts)
+        engine.cost = StepCost({1: 10.0, 2: 20.0, 64: 640.0})
+        engine.cost.observe = lambda rows, ms: None  # the prices stay what the test says
+        steps_at = []
+        propose = drafts.propose
+        step = 0
+
+        def spy(seqs, k):
+            steps_at.append(step)
+            return propose(seqs, k)
+
+        drafts.propose = spy
+        engine.submit(Request(prompts[1], 240))  # "1, 2, 3, 4, 5," counts on for all of them
+        for rec, _ in engine.run():
+            step += 1
+    gaps = [b - a for a, b in zip(steps_at, steps_at[1:])]
+    assert gaps[:2] == [65, 129], steps_at  # the 64 (128) steps that did not draft, then the probe

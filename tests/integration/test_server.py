@@ -688,11 +688,28 @@ def test_parallel_sixty_four_clients_bounded_queue(slot_server, slot_http):
     assert abs(rss_after - rss_before) <= 0.10 * rss_before, (rss_before, rss_after)
 
 
-def test_parallel_with_a_draft_is_refused_in_one_line(model_path):
-    proc = subprocess.run([*CLI, "serve", model_path, DRAFT, "--parallel", "2", "--port", "0"], capture_output=True,
-                          text=True, timeout=60)
+def test_parallel_with_a_draft_model_stays_exact(model_path, http):
+    """``serve MODEL DRAFT --parallel 3``: the draft model drafts for every slot (it says so at start), and
+    concurrent greedy answers equal the one-sequence server's."""
+    alone = [http.post("/v1/chat/completions", json=chat_body(p, max_tokens=32)).json() for p in PROMPTS]
+    srv = ServerProcess(model_path, DRAFT, "--parallel", 3, "-t", 1, "--ctx", CTX)
+    try:
+        srv.wait_for_line(lambda line: "draft model" in line and "3 slots" in line, timeout=30)
+        with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
+            with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+                got = list(pool.map(lambda p: c.post("/v1/chat/completions", json=chat_body(p, max_tokens=32)).json(),
+                                    PROMPTS))
+            for a, b in zip(alone, got):
+                assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    finally:
+        assert srv.stop() == 0, "\n".join(srv.lines[-20:])
+
+
+def test_parallel_with_a_tree_is_refused_in_one_line(model_path):
+    proc = subprocess.run([*CLI, "serve", model_path, DRAFT, "--parallel", "2", "--tree", "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("error: --parallel > 1 decodes plainly"), proc.stderr
+    assert proc.stderr.startswith("error: --tree drafts for one sequence at a time"), proc.stderr
 
 
 def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_path, http):
