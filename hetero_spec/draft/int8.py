@@ -134,6 +134,13 @@ class RescoredInt8Head(nn.Module):
         exact = torch.einsum("bd,brd->br", feat.float(), self.weight[idx])
         return logits.scatter(-1, idx, exact.to(logits.dtype))
 
+    def best_rows(self, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``best`` for a batch: feat [B, n_embd] -> (head rows [B], their exact logits [B])."""
+        idx = self.q(feat).topk(self.rescore, dim=-1, sorted=False).indices  # [B, r]
+        exact = torch.einsum("bd,brd->br", feat.float(), self.weight[idx])  # [B, r]
+        score, j = exact.max(dim=-1)
+        return idx.gather(1, j[:, None])[:, 0], score
+
     def best(self, feat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """feat [1, n_embd] -> (head row [], its exact logit []): the greedy proposal alone.
 

@@ -5,6 +5,13 @@ head rows of tokens seen in that text, ``draft/context_head.py``), so each seque
 its own, while the weights, the largest part of a draft step's memory traffic, are shared.  The slots'
 caches are views into one tensor per block, ``[n_slots, n_kv, positions, head_dim]``.
 
+The chains of the slots that draft together are drafted in one forward per depth: their rows go
+through the fusion, the blocks and the head as one batch (one read of the weights, one set of kernel
+launches on a GPU), each row attending to its own slot's cells.  Each slot's real rows are read first,
+slot by slot (their number differs per slot).  The int8 layers quantize a batch's activations together,
+so a batched chain can differ from the one the slot would draft alone in a near-tie; a draft only
+proposes, so that changes acceptance at most, never the output.
+
 Real rows arrive after every decode: the target's features of each kept row with the token picked
 after it (a prompt row's next prompt token, a generated row's answer token).  They queue per slot and
 are read the next time that slot drafts, in one forward, so a step that does not draft costs nothing
@@ -18,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..draft.context_head import ContextHead
 from ..draft.runner import DraftCache, DraftRunner
-from ..errors import DraftError
 
 FLUSH_ROWS = 1024  # real rows a slot may queue while it does not draft (7 MB of SmolLM2's taps); then they are read
 
@@ -55,10 +62,11 @@ class SlotDrafts:
         runner.cuda_graph = False  # a captured step is bound to one cache's buffers, and slots swap caches
         cfg, dev, dtype = runner.cfg, runner.device, runner.dtype
         shape = (n_slots, cfg.n_kv_heads, cfg.max_positions, cfg.head_dim)
-        k = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.n_blocks)]
-        v = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.n_blocks)]
-        gates = [torch.zeros(n_slots, cfg.max_positions, device=dev) for _ in range(cfg.n_blocks)]
-        holes = torch.zeros(n_slots, cfg.max_positions, device=dev)
+        self._k = k = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.n_blocks)]
+        self._v = v = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.n_blocks)]
+        self._gates = gates = [torch.zeros(n_slots, cfg.max_positions, device=dev) for _ in range(cfg.n_blocks)]
+        self._holes = holes = torch.zeros(n_slots, cfg.max_positions, device=dev)
+        self.batched = True  # slots that draft together share one forward per depth (False: one after another)
         self.slots = [SlotDraft(DraftCache(k=[t[s:s + 1] for t in k], v=[t[s:s + 1] for t in v],
                                            log_gate=[g[s] for g in gates], holes=holes[s]),
                                 runner._head.fresh()) for s in range(n_slots)]
@@ -99,26 +107,129 @@ class SlotDrafts:
 
     def propose(self, seqs: list[int], k: int) -> dict[int, list[int]]:
         """``k`` greedy drafts for each slot of ``seqs`` that has real rows queued, reading them first."""
-        out: dict[int, list[int]] = {}
         t0 = time.perf_counter()
+        ready = []
         for seq in seqs:
             s = self.slots[seq]
-            if not s.active or not s.queued or s.cache.n + s.queued + k > self.runner.max_positions:
+            if not s.active or not s.queued:
                 continue
-            feats, tokens = np.concatenate(s.feats), s.tokens
-            s.feats, s.tokens = [], []
-            self._use(s)
-            n_real = s.cache.n + len(tokens)
-            try:
-                out[seq] = self.runner.propose(feats, tokens, k)
-            except DraftError:
+            if s.cache.n + s.queued + k > self.runner.max_positions:
                 s.active = False  # its cells are full: the slot goes on without drafts
                 continue
-            self.runner.rollback(n_real)  # the drafted cells go; the real rows stay
+            ready.append(seq)
+        if len(ready) > 1 and self.batched:
+            out = self._propose_together(ready, k)
+        else:
+            out = {}
+            for seq in ready:
+                s = self.slots[seq]
+                feats, tokens = self._take(s)
+                self._use(s)
+                n_real = s.cache.n + len(tokens)
+                out[seq] = self.runner.propose(feats, tokens, k)
+                self.runner.rollback(n_real)  # the drafted cells go; the real rows stay
         if out:
             ms = 1e3 * (time.perf_counter() - t0) / k
             self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
         return out
+
+    @torch.inference_mode()
+    def _propose_together(self, seqs: list[int], k: int) -> dict[int, list[int]]:
+        """``DraftRunner.propose`` for several slots: each reads its real rows, then every depth is one forward
+        of one row per slot."""
+        r = self.runner
+        xs, feats, n_real = [], [], []
+        for seq in seqs:
+            s = self.slots[seq]
+            rows, tokens = self._take(s)
+            self._use(s)
+            g, toks = r._real(rows), r._tokens(tokens)
+            x, feat = r._forward(g, toks)
+            xs.append(x[:, -1:])
+            feats.append(feat[:, -1:])
+            n_real.append(s.cache.n)
+        x, feat = torch.cat(xs), torch.cat(feats)  # [B, 1, hidden], [B, 1, n_embd]
+        chains = []  # [B] target ids per depth, on the device: read back once
+        for j in range(k):
+            tok = self._greedy(seqs, feat[:, 0])
+            chains.append(tok)
+            if j + 1 < k:
+                x, feat = self._step_together(seqs, r.model.drafted_input(x, feat), tok.view(-1, 1))
+        for seq, n in zip(seqs, n_real):
+            self.slots[seq].cache.n = n  # the drafted cells go; the real rows stay
+        return dict(zip(seqs, torch.stack(chains, dim=1).tolist()))
+
+    def _greedy(self, seqs: list[int], feat: torch.Tensor) -> torch.Tensor:
+        """Each row's proposal [B] (target ids) from its slot's head: the shared rows scored together (int8 with
+        the best rows rescored in float, as ``RescoredInt8Head.best``), then the slot's own context rows."""
+        head = self.runner._head
+        best = getattr(head.base, "best_rows", None)
+        if best is not None:
+            rows, scores = best(feat)
+        else:
+            scores, rows = head.base(feat).float().max(dim=-1)
+        n_base = len(head._base_d2t)
+        out = []
+        for b, seq in enumerate(seqs):
+            h = self.slots[seq].head
+            row = rows[b]
+            if h._extra is not None:
+                extra = (feat[b:b + 1].to(h._extra.dtype) @ h._extra.t())[0]
+                e = extra.argmax()
+                row = torch.where(extra[e].to(scores.dtype) > scores[b], e + n_base, row)
+            out.append(h.d2t_t[row])
+        return torch.stack(out)
+
+    def _step_together(self, seqs: list[int], g: torch.Tensor, tokens: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafted position for each slot of ``seqs`` in one forward: g [B, 1, feature_size], tokens [B, 1],
+        each at its slot's next cell -> (pre-norm [B, 1, hidden], predicted features [B, 1, n_embd]).
+        ``DraftRunner._forward_one``'s arithmetic, a row per slot, each attending to its own slot's cells."""
+        r, model = self.runner, self.runner.model
+        cfg, dev = r.cfg, r.device
+        nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        B, half = len(seqs), hd // 2
+        pos = [self.slots[seq].cache.n for seq in seqs]
+        S, P = torch.tensor(seqs, device=dev), torch.tensor(pos, device=dev)
+        L = max(pos) + 1
+        later = torch.arange(L, device=dev)[None, :] > P[:, None]  # [B, L]: cells past each row's own position
+        x, attn_in = model.fusion(g, model.embed[tokens])
+        cos, sin = model.rope_cos[P][:, None], model.rope_sin[P][:, None]  # [B, 1, hd]
+        self._holes[S, P] = 0.0  # these cells get real states now
+        for i, blk in enumerate(model.blocks):
+            if attn_in is not None:
+                xn, attn_in = attn_in, None
+            else:
+                xn = blk.attn_norm(x) if blk.attn_norm is not None else x
+            qkv = blk.qkv(xn).view(B, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            qk = (qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin).to(qkv.dtype)
+            self._k[i][S, :, P] = qk[:, nh:]
+            self._v[i][S, :, P] = qkv[:, nh + nkv:]
+            gated = blk.importance is not None
+            if gated:
+                self._gates[i][S, P] = F.logsigmoid(blk.importance(xn).view(B).float())
+                bias = self._gates[i][S, :L] + self._holes[S, :L]
+                if r._log_threshold is not None:  # denoising: old keys under the threshold go, a recent window stays
+                    recent = torch.arange(L, device=dev)[None, :] >= (P + 1 - r.denoise.recent_window)[:, None]
+                    bias = torch.where(recent | (bias >= r._log_threshold), bias, float("-inf"))
+            else:
+                bias = self._holes[S, :L].clone()
+            bias = bias.masked_fill(later, float("-inf"))
+            q = qk[:, :nh].reshape(B, nkv, nh // nkv, hd)
+            keys, values = self._k[i][S, :, :L], self._v[i][S, :, :L]  # [B, nkv, L, hd]
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * hd**-0.5 + bias[:, None, None, :].to(q.dtype)
+            a = torch.matmul(scores.softmax(dim=-1), values)  # [B, nkv, nh / nkv, hd]
+            x = blk.after_attention(x, a.reshape(B, 1, nh * hd))
+        for seq, p in zip(seqs, pos):
+            self.slots[seq].cache.n = p + 1
+        return x, model.feature_out(x)
+
+    def _take(self, s: SlotDraft) -> tuple[np.ndarray, list[int]]:
+        """The slot's queued rows, which leave the queue."""
+        feats, tokens = np.concatenate(s.feats), s.tokens
+        s.feats, s.tokens = [], []
+        return feats, tokens
 
     def _read(self, s: SlotDraft) -> None:
         """Read the queued rows without proposing (a slot that has not drafted for a while)."""

@@ -269,9 +269,12 @@ def test_draft_model_chains_in_every_slot_keep_answers_and_logits_exact(model_pa
         calls = []  # (request, position of its pending token, the chain proposed)
         propose = drafts.propose
 
+        together = []
+
         def spy(seqs, k):
             out = propose(seqs, k)
             calls.extend((engine.scheduler.slots[s].request, engine.scheduler.slots[s].n_past, c) for s, c in out.items())
+            together.append(len(out))
             return out
 
         drafts.propose = spy
@@ -284,7 +287,9 @@ def test_draft_model_chains_in_every_slot_keep_answers_and_logits_exact(model_pa
         for req, (out, logits) in zip(requests, reference):
             assert req.out == out
             assert all(np.array_equal(a, b) for a, b in zip(req.logits, logits))
+        assert max(together) >= 2, "the slots never drafted together"
         alone = slot_drafts(target, 1)
+        same = differ = 0
         for req in requests:  # the text's features, decoded whole in sequence 0 (bit-identical to the steps')
             text = req.prompt + req.out
             target.clear(0)
@@ -295,12 +300,20 @@ def test_draft_model_chains_in_every_slot_keep_answers_and_logits_exact(model_pa
             for pos, chain in mine:
                 alone.start(0, req.prompt, reused=0)
                 alone.feed(0, feats[:pos], text[1:pos + 1])
-                assert alone.propose([0], k=3)[0] == chain, f"the chain at position {pos} differs"
+                if alone.propose([0], k=3)[0] == chain:
+                    same += 1
+                else:
+                    differ += 1
+    # chains drafted together go through the int8 layers as one batch, whose activations are quantized together:
+    # a near-tie may go the other way (drafts.py); a slot reading wrong rows would differ nearly always
+    assert differ <= 0.05 * (same + differ), (same, differ)
 
 
-def test_slot_drafts_propose_what_a_draft_alone_proposes(model_path, prompts):
+@pytest.mark.parametrize("batched", [True, False], ids=["one-forward-per-depth", "slot-after-slot"])
+def test_slot_drafts_propose_what_a_draft_alone_proposes(model_path, prompts, batched):
     """Two texts fed to two slots in turns, a reused prefix skipped in one: each slot's chains equal those of a
-    draft that read only its own text, so no slot sees another's cells or context rows."""
+    draft that read only its own text (float32 weights: a batch of rows gives each row's own result), so no slot
+    sees another's cells or context rows, whether the slots draft in one forward per depth or one by one."""
     from hetero_spec.api import draft_taps
     from hetero_spec.target.sequences import Row
 
@@ -312,19 +325,27 @@ def test_slot_drafts_propose_what_a_draft_alone_proposes(model_path, prompts):
             target.decode([Row(seq, t, p, True) for p, t in enumerate(ids)])
             feats.append(target.features())
         both = slot_drafts(target, 2, dtype="float32")
+        both.batched = batched
         alone = [slot_drafts(target, 1, dtype="float32") for _ in texts]
     skip = 3  # slot 1's first cells were reused from an earlier request: no features, skipped
+    for seq in (0, 1):  # an earlier request in each slot leaves its cells behind: the other text, read whole
+        other = 1 - seq
+        both.start(seq, texts[other], reused=0)
+        both.feed(seq, feats[other][:-1], texts[other][1:])
+        both.propose([seq], k=1)
     for seq, ids in enumerate(texts):
         both.start(seq, ids, reused=skip * seq)
         alone[seq].start(0, ids, reused=skip * seq)
     fed = [0, skip]  # rows each slot has been given
     got, want = {0: [], 1: []}, {0: [], 1: []}
-    for cut in range(skip + 2, min(len(t) for t in texts) - 1, 5):
-        for seq, ids in enumerate(texts):  # each slot's rows up to the cut, the slots in turns
-            rows, nexts = feats[seq][fed[seq]:cut], ids[fed[seq] + 1:cut + 1]
+    ahead = 8  # slot 1 is 8 positions ahead of slot 0: a row must not see cells past its own position
+    for cut in range(skip + 2, min(len(t) for t in texts) - 1 - ahead, 3):
+        for seq, ids in enumerate(texts):  # each slot's rows up to its cut, the slots in turns
+            end = cut + ahead * seq
+            rows, nexts = feats[seq][fed[seq]:end], ids[fed[seq] + 1:end + 1]
             both.feed(seq, rows, nexts)
             alone[seq].feed(0, rows, nexts)
-            fed[seq] = cut
+            fed[seq] = end
         out = both.propose([0, 1], k=3)
         for seq in (0, 1):
             got[seq].append(out[seq])
@@ -358,3 +379,41 @@ def test_draft_model_is_priced_off_when_rows_are_dear_and_probes_back_off(model_
             step += 1
     gaps = [b - a for a, b in zip(steps_at, steps_at[1:])]
     assert gaps[:2] == [65, 129], steps_at  # the 64 (128) steps that did not draft, then the probe
+
+
+def test_one_forward_per_depth_computes_each_slot_as_alone(model_path, prompts):
+    """``_step_together`` against ``DraftRunner._forward`` slot by slot, on float32 weights: slots at different
+    positions, with stale cells of an earlier, longer text past the nearer one's position, get the same
+    features to float rounding, and write the same cells."""
+    import torch
+
+    from hetero_spec.api import draft_taps
+    from hetero_spec.target.sequences import Row
+
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
+    with SequenceTarget(model_path, opts) as target:
+        feats = {}
+        for seq, ids in enumerate((prompts[2], prompts[4])):
+            target.decode([Row(seq, t, p, True) for p, t in enumerate(ids)])
+            feats[seq] = (target.features(), ids)
+        drafts = slot_drafts(target, 2, dtype="float32")
+    long_f, long_ids = feats[0]
+    drafts.start(0, long_ids, reused=0)  # slot 0's earlier request: the long text, read whole
+    drafts.feed(0, long_f[:-1], long_ids[1:])
+    drafts.propose([0], k=1)
+    ends = {0: 6, 1: 20}  # slot 0 now far behind slot 1, its cells 6.. still the long text's
+    for seq, n in ends.items():
+        f, ids = feats[seq]
+        drafts.start(seq, ids, reused=0)
+        drafts.feed(seq, f[:n], ids[1:n + 1])
+        drafts.propose([seq], k=1)  # reads the rows
+    r = drafts.runner
+    g = torch.randn(2, 1, r.cfg.feature_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[17], [905]])
+    x, feat = drafts._step_together([0, 1], g, tokens)
+    for b, seq in enumerate((0, 1)):
+        drafts.slots[seq].cache.n -= 1  # the same cell again, alone
+        drafts._use(drafts.slots[seq])
+        xa, fa = r._forward(g[b:b + 1], tokens[b:b + 1])
+        torch.testing.assert_close(x[b:b + 1], xa, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feat[b:b + 1], fa, rtol=1e-4, atol=1e-4)
