@@ -228,13 +228,13 @@ def _first_prompt(messages: list[dict[str, str]]) -> list[dict[str, str]] | None
 
 
 def _open_generator(cfg: ExportConfig, hf_model: Path | None):
-    from hetero_spec.target.batch_generate import BatchGenerator, GenerateOptions
+    from hetero_spec.engine.answers import AnswerGenerator, GenerateOptions
 
     # Hidden states straight from generation when nothing else is needed from a second pass: rows of
     # several sequences in one <=32-row batch are bit-identical to LlamaTarget's prefill (tested), and
     # this skips re-decoding every sequence.
     fused = cfg.topk == 0 and not cfg.layers and hf_model is None
-    return BatchGenerator(cfg.model, GenerateOptions(n_seq=cfg.n_seq, max_new_tokens=cfg.max_new_tokens,
+    return AnswerGenerator(cfg.model, GenerateOptions(n_seq=cfg.n_seq, max_new_tokens=cfg.max_new_tokens,
                                                      seq_ctx=cfg.max_len, temperature=cfg.temperature,
                                                      seed=cfg.seed or 0, n_threads=cfg.threads, hidden=fused))
 

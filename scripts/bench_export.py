@@ -15,7 +15,7 @@ from converters.export_features import extract
 from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.chat_template import render_chat
 from hetero_spec.default_model import default_model_path
-from hetero_spec.target.batch_generate import BatchGenerator, GenerateOptions
+from hetero_spec.engine.answers import AnswerGenerator, GenerateOptions
 from hetero_spec.target.layer_taps import LayerTapTarget
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
@@ -64,7 +64,7 @@ def main() -> None:
             prompts.append((i, t.tokenize(s, add_special=False)))
     speeds = {}
     for n in [int(x) for x in a.n_seq.split(",")]:
-        with BatchGenerator(model, GenerateOptions(n_seq=n, max_new_tokens=a.new, seq_ctx=1024,
+        with AnswerGenerator(model, GenerateOptions(n_seq=n, max_new_tokens=a.new, seq_ctx=1024,
                                                    n_threads=a.threads)) as g:
             t0 = time.perf_counter()
             out = {k: a for k, a, _ in g.generate(prompts)}

@@ -5,6 +5,7 @@
     cost.py       what a step costs by its rows and how often drafts are accepted: speculation priced on the batch
     drafts.py     SlotDrafts: a draft model's weights once, a KV cache and context rows per slot
     step.py       Engine: one step = build the rows -> one llama_decode -> accept each slot's tokens
+    answers.py    AnswerGenerator: answers with every row's hidden state (export-features --regenerate)
 
 The engine runs plain rows, prompt chunks and draft rows (greedy requests): copies from suffix
 matches and, with a draft model, its chains for every slot; every greedy answer equals the same

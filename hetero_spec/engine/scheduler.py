@@ -96,7 +96,7 @@ class Scheduler:
                 break
             request = self.waiting.popleft()
             slot = max(free, key=lambda s: _affinity(s, request.prompt))
-            reuse = slot.reusable(request.prompt)
+            reuse = 0 if request.keep_features else slot.reusable(request.prompt)  # reused cells have no features
             slot.assign(request, cache, reuse)
             self._order.append(slot)
             taken.append(Admitted(slot, reuse))

@@ -15,15 +15,19 @@ class Request:
     """What a caller asks of the engine: prompt ids in, answer ids out (an end-of-generation id included).
 
     ``keep_logits`` keeps a copy of the logits each answer token was picked from (tests compare them
-    bit for bit against a single-sequence decode); ``cancelled`` ends it at the next step."""
+    bit for bit against a single-sequence decode); ``keep_features`` the target's features of every row it
+    kept, in position order (a target opened with features; the newest token's row is never decoded);
+    ``cancelled`` ends it at the next step."""
 
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     keep_logits: bool = False
+    keep_features: bool = False
     tag: Any = None  # the caller's handle (a server job, an index)
     out: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)  # [n_vocab] float32 per answer token, if kept
+    features: list[np.ndarray] = field(default_factory=list)  # [rows, feature_size] float32 blocks, if kept
     stop_reason: str | None = None  # eog, max_tokens, context_full, cancelled
     cancelled: bool = False
     drafted: int = 0  # draft rows verified for it so far

@@ -101,8 +101,9 @@ class Engine:
                                  f"features=True and the draft's taps (it gives {target.feature_size})")
             if len(self.draft.slots) < target.options.n_seq:
                 raise ValueError(f"the draft has {len(self.draft.slots)} slots for {target.options.n_seq} sequences")
+        # with features llama.cpp computes every row anyway, and a draft or a request keeping features reads them all
         self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx,
-                                   prompt_outputs=self.draft is not None)
+                                   prompt_outputs=target.options.features)
         self.cost = StepCost()
         # acceptance of trusted drafts by the length of the match behind them (an exact repeat of a past answer
         # matches far back and is copied almost whole), of the draft model's chains, and of guesses that only
@@ -118,6 +119,8 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         """Queue ``request`` (FIFO); ``QueueFull`` when ``max_waiting`` already wait."""
+        if request.keep_features and not self.target.options.features:
+            raise ValueError("keep_features needs a target opened with features=True")
         if not request.prompt or len(request.prompt) >= self.target.seq_ctx:
             raise ValueError(f"a prompt of {len(request.prompt)} tokens does not fit a slot of "
                              f"{self.target.seq_ctx} cells")
@@ -187,7 +190,7 @@ class Engine:
         decode_s = time.perf_counter() - t0
         if len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
             self.cost.observe(len(plan.rows), 1e3 * decode_s)
-        feats = self.target.features() if self.draft is not None and len(logits) else None
+        feats = self.target.features() if self.target.options.features and len(logits) else None
         accepted = 0
         trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}
         for slot, outs in _output_rows(plan.rows).items():
@@ -201,12 +204,16 @@ class Engine:
             picking = [j for j, row, kind in outs if kind != "prompt" or row.pos == len(req.prompt) - 1]
             if picking:
                 accepted += self._accept(slot, [logits[j] for j in picking])
-            if feats is not None and not req.done:
+            if feats is not None:
                 picked = req.out[before:]
                 real = [(j, req.prompt[row.pos + 1]) for j, row in prompt if row.pos + 1 < len(req.prompt)]
                 real += list(zip(picking, picked))  # each kept row with the token picked after it
                 if real:
-                    self.draft.feed(slot.seq, feats[[j for j, _ in real]], [t for _, t in real])
+                    rows = feats[[j for j, _ in real]]
+                    if req.keep_features:
+                        req.features.append(rows)
+                    if self.draft is not None and not req.done:
+                        self.draft.feed(slot.seq, rows, [t for _, t in real])
             if req.done:
                 finished.append(self._release(slot))
                 trim.discard(slot)
