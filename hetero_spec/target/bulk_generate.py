@@ -1,10 +1,10 @@
 """Bulk greedy generation for training corpora: many conversations per ``llama_decode`` over a unified KV cache.
 
-WHY a second generator beside ``BatchGenerator``: that one keeps every sequence in its own
-KV stream so that its rows are bit-identical to ``LlamaTarget`` (tests check it), and
-llama.cpp then cuts a mixed batch into micro-batches holding the same number of tokens of
-every sequence (``split_equal``), so a prompt chunk can never ride along with generating
-rows.  Training data does not need bit-identity: the draft learns from these tokens and
+WHY a second generator beside the batched engine (``engine/answers.py``, ``export-features
+--regenerate``): the engine keeps every sequence in its own KV stream so that its rows are
+bit-identical to ``LlamaTarget`` (tests check it), and llama.cpp then cuts a decode into
+micro-batches holding the same number of tokens of each sequence (``split_equal``), at most 32
+rows, so only a prompt chunk's first rows ride along with generating rows.  Training data does not need bit-identity: the draft learns from these tokens and
 nothing is ever verified against them.  Here all sequences share one unified cache, so
 one decode carries one generating row of every busy slot *plus* prompt chunks of slots
 still prefilling, up to ``max_rows`` rows, and the weights are read once for all of them.
