@@ -46,8 +46,9 @@ class BatchGenerator:
     """A GGUF target with ``slots`` sequences in one context; ``generate``/``chat`` answer lists of prompts.
 
     Greedy answers are bit for bit those of decoding each prompt alone (``tests/integration/test_engine.py``);
-    ``drafts``: copy drafts (suffix matches over the prompt, the answer and earlier answers of the job),
-    priced on the batch; a seeded sampled answer draws the same tokens as alone."""
+    ``drafts``: copy drafts (suffix matches over the prompt, the answer and earlier answers of the job) and,
+    with a draft file, the draft model's chains, priced on the batch; a seeded sampled answer draws the
+    same tokens as alone."""
 
     def __init__(self, model: str | Path, draft: str | Path | None = None, *, slots: int = 4, n_ctx: int = 4096,
                  threads: int = 0, kv_type: str = DEFAULT_KV_TYPE, drafts: bool = True, draft_device: str = "auto",
@@ -66,18 +67,18 @@ class BatchGenerator:
         self.target = SequenceTarget(model, SequenceOptions(n_seq=slots, seq_ctx=n_ctx, n_threads=threads,
                                                             kv_type=kv_type, max_rows=rows, features=draft is not None,
                                                             taps=draft_taps(draft)))
-        try:
+        try:  # the target is closed if anything below fails
             slot_drafts = None
             if draft is not None:
                 runner = load_runner(self.target, draft, device=draft_device, dtype=draft_dtype, denoise=DenoiseConfig())
                 slot_drafts = SlotDrafts(runner, slots)
+            drafting = Drafting(lookup_depth=COPY_DEPTH if drafts else 0, draft_depth=DRAFT_DEPTH if draft else 0)
+            self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts)
+            if drafts:
+                self.engine.calibrate()
         except BaseException:
             self.target.close()
             raise
-        drafting = Drafting(lookup_depth=COPY_DEPTH if drafts else 0, draft_depth=DRAFT_DEPTH if draft else 0)
-        self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts)
-        if drafts:
-            self.engine.calibrate()
 
     def close(self) -> None:
         self.target.close()

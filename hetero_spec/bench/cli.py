@@ -24,7 +24,8 @@ def _split(value: str) -> tuple[str, ...]:
 class BenchGroup(click.Group):
     """A group whose first argument, when it names no subcommand, goes to ``speed``: so ``hetero-spec bench
     MODEL [DRAFT] ...`` keeps meaning what it always did.  Subcommands that live in other modules are
-    imported only when named ("module:attribute"), so ``bench server``'s httpx is needed only there."""
+    imported only when listed or named ("module:attribute"), keeping the CLI's start light; ``bench server``
+    imports httpx (the ``[server]`` extra) only when it runs."""
 
     DEFAULT = "speed"
     LAZY = {
@@ -41,10 +42,7 @@ class BenchGroup(click.Group):
             import importlib
 
             module, attr = self.LAZY[name].split(":")
-            try:
-                self.add_command(getattr(importlib.import_module(module), attr), name)
-            except ImportError as exc:
-                raise click.ClickException(f"bench {name} needs {exc.name}: pip install 'hetero-spec[server]'") from None
+            self.add_command(getattr(importlib.import_module(module), attr), name)
         return super().get_command(ctx, name)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:

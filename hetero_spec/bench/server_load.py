@@ -43,10 +43,13 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import click
-import httpx
+
+if TYPE_CHECKING:
+    import httpx
 
 from hetero_spec.bench.prompts import shipped_text
 
@@ -83,7 +86,7 @@ class Server:
             self.proc.kill()
 
 
-def stream_chat(http: httpx.Client, messages: list[dict], max_tokens: int) -> dict:
+def stream_chat(http: "httpx.Client", messages: list[dict], max_tokens: int) -> dict:
     """One streaming request, timed at the client: sent, first text, last byte."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -187,6 +190,8 @@ def overhead(http, model, engine, prompts, max_tokens, repeats, server_pid: int)
 
 
 def load(url, prompts, clients, per_client, max_tokens) -> dict:
+    import httpx
+
     def one_client(c: int) -> list[dict]:
         # a connection per request: a keep-alive connection the server closes as the next request goes out
         # (seen with llama-server -np 4) would fail that request, on either side
@@ -245,6 +250,8 @@ def llama_server_cmd(model: Path, threads: int, ctx: int, parallel: int, port: i
 def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, clients, per_client, max_tokens,
                  repeats: int, reference: dict | None) -> dict:
     """Part 2b: each pass runs every configuration once, in the same order; medians over the passes."""
+    import httpx
+
     from hetero_spec.bench.llama_server import LlamaServer, free_port
 
     ours = ["-t", str(threads), "--ctx", str(ctx), "--parallel", str(parallel), "--max-queue", str(clients)]
@@ -290,6 +297,8 @@ def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, cl
 
 
 def _warm_load(url: str, prompts, clients, per_client, max_tokens) -> dict:
+    import httpx
+
     with httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
         stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
     return load(url, prompts, clients, per_client, max_tokens)
@@ -335,6 +344,10 @@ def _parts(ctx: click.Context, param: click.Parameter, value: str) -> set[str]:
 def server_load(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
                 wanted, parallel, passes, main_parallel, out):
     """The server against run, concurrent clients, and the batched engine against llama-server -np N (docs/server.md)."""
+    try:
+        import httpx
+    except ImportError:
+        raise click.ClickException("bench server needs httpx: pip install 'hetero-spec[server]'") from None
     rows = [json.loads(ln)["turns"] for ln in shipped_text("mt_bench").splitlines() if ln.strip()]
     prompts = [t[0] for t in rows]
     engine = [str(draft), "--draft-device", "cpu"] if draft else ["--no-draft"]

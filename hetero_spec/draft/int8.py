@@ -147,7 +147,8 @@ class RescoredInt8Head(nn.Module):
         WHY: a chain step needs only the argmax, and the full-logits path (scatter the exact scores
         back, then an argmax over all rows) cost about a third of the head's time on top of its int8
         matmul.  The argmax among the exactly rescored best rows is what a float head would pick
-        whenever its argmax is among them, which ``forward`` assumes as well."""
+        whenever its argmax is among them.  (``forward``'s full logits keep the other rows' int8 values,
+        so in a rare near-tie its argmax can be a row ``best`` never picks: proposals only.)"""
         idx = self.q(feat)[0].topk(self.rescore, sorted=False).indices  # [r]
         exact = torch.mv(self.weight.index_select(0, idx), feat[0].float())  # [r]
         score, j = exact.max(dim=0)

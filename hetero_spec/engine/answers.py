@@ -77,12 +77,11 @@ class AnswerGenerator:
         while pending or not engine.idle:
             while pending and len(engine.scheduler.waiting) < engine.scheduler.max_waiting:
                 engine.submit(pending.pop())
-            slots = {id(s.request): s.seq for s in engine.scheduler.active}
             record, finished = engine.step()
             if record is not None and on_tokens is not None:
                 on_tokens(record.rows)
             for req in finished:
-                hidden = self._hidden(req, slots[id(req)]) if o.hidden else None
+                hidden = self._hidden(req, req.seq) if o.hidden else None
                 yield req.tag, req.out, hidden
 
     def _sampling(self, key: int) -> SamplingConfig:

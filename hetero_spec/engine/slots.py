@@ -30,6 +30,7 @@ class Request:
     features: list[np.ndarray] = field(default_factory=list)  # [rows, feature_size] float32 blocks, if kept
     stop_reason: str | None = None  # eog, max_tokens, context_full, cancelled
     cancelled: bool = False
+    seq: int | None = None  # the sequence (slot) it was given
     drafted: int = 0  # draft rows verified for it so far
     accepted: int = 0  # ... of which the target agreed with
 
@@ -87,6 +88,7 @@ class Slot:
         """Take ``request``, whose first ``reuse`` prompt tokens are in the cells already; ``cache``: draft by
         suffix match over its text and the past answers there (only greedy requests draft)."""
         self.request, self.fed, self.pending, self.drafts, self.sure = request, reuse, None, [], 0
+        request.seq = self.seq
         self.cached = []
         self.rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
         self.suffix = SuffixRequest(request.prompt, cache) if cache is not None and request.sampling.greedy else None

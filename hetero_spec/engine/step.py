@@ -175,9 +175,17 @@ class Engine:
             if self.draft is not None:
                 self.draft.start(a.slot.seq, a.slot.request.prompt, a.reuse, active=a.slot.rng is None)
         proposals = self._propose()
+        probed: set[Slot] = set()
         if self.draft is not None:
-            proposals |= self._draft_chains(proposals)
+            chains = self._draft_chains(proposals)
+            proposals |= chains
+            if self._after_probe:
+                probed = set(chains)
         ks = self._choose(proposals)
+        if probed:  # a probe's chain is verified whatever the layouts' prices say: it is there to measure them
+            forced = ks | {slot: len(proposals[slot].tokens) for slot in probed}
+            if sum(n for _, n in self.scheduler.counts(forced)) <= self.target.options.batch_rows:
+                ks = forced
         for slot, prop in proposals.items():
             k = ks.get(slot, 0)
             slot.drafts, slot.sure, slot.bucket = prop.tokens[:k], min(prop.sure, k), prop.bucket
@@ -228,6 +236,8 @@ class Engine:
         """Free ``slot``; its cells keep the request's text for a later prompt that starts alike."""
         request = self.scheduler.release(slot)
         self.target.keep(slot.seq, slot.n_past)
+        if self.draft is not None:
+            self.draft.stop(slot.seq)  # its queued rows go
         return request
 
     def _propose(self) -> dict[Slot, Proposal]:

@@ -101,7 +101,16 @@ class ModelThread:
             log.debug("loading the model failed", exc_info=True)
             self._ready.set()
             return
-        self._opened(model)
+        try:
+            self._opened(model)
+        except BaseException as exc:  # as a load failure: reported by wait_ready, the model closed
+            self._load_error = exc
+            log.debug("starting the model failed", exc_info=True)
+            close = getattr(model, "close", None)
+            if close is not None:
+                close()
+            self._ready.set()
+            return
         self._ready.set()
         try:
             self._loop()

@@ -46,3 +46,16 @@ def test_bench_keeps_model_first_and_names_its_subcommands(model_path, tmp_path)
     missing = subprocess.run([*CLI, "bench", "project", str(tmp_path / "none.json")], capture_output=True, text=True,
                              timeout=60)
     assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_bench_help_and_other_subcommands_need_no_httpx(model_path):
+    """Without the [server] extra's httpx, ``bench --help`` still lists every subcommand, and ``bench server``
+    says in one line what to install."""
+    no_httpx = "import sys; sys.modules['httpx'] = None; from hetero_spec.cli import main; sys.argv[0] = 'hetero-spec'; main()"
+    listed = subprocess.run([sys.executable, "-c", no_httpx, "bench", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert listed.returncode == 0 and "\n  server " in listed.stdout, listed.stderr
+    refused = subprocess.run([sys.executable, "-c", no_httpx, "bench", "server", str(model_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "bench server needs httpx" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -417,3 +417,25 @@ def test_one_forward_per_depth_computes_each_slot_as_alone(model_path, prompts):
         xa, fa = r._forward(g[b:b + 1], tokens[b:b + 1])
         torch.testing.assert_close(x[b:b + 1], xa, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(feat[b:b + 1], fa, rtol=1e-4, atol=1e-4)
+
+
+def test_answer_generator_hidden_states_even_for_one_token_answers(model_path, single, prompts):
+    """``AnswerGenerator`` (export-features --regenerate): a short prompt admitted, prefilled and answered in one
+    step still gets its hidden states, every row equal to ``LlamaTarget``'s prefill of prompt + answer."""
+    from hetero_spec.engine.answers import AnswerGenerator, GenerateOptions
+
+    texts = {i: prompts[i] for i in (0, 1, 3)}  # short prompts: each fits one step's chunk
+    with AnswerGenerator(model_path, GenerateOptions(n_seq=2, max_new_tokens=1, seq_ctx=SEQ_CTX, n_threads=1,
+                                                     hidden=True)) as gen:
+        got = {key: (answer, hidden) for key, answer, hidden in gen.generate(list(texts.items()))}
+    assert set(got) == set(texts)
+    single.set_embeddings(True)
+    try:
+        for key, (answer, hidden) in got.items():
+            assert len(answer) == 1 and hidden.shape[0] == len(texts[key]) + 1
+            single.reset()
+            want, _ = single.prefill(texts[key] + answer)
+            np.testing.assert_array_equal(hidden, want)
+    finally:
+        single.reset()
+        single.set_embeddings(False)
