@@ -70,7 +70,10 @@ class SlotDrafts:
         self.slots = [SlotDraft(DraftCache(k=[t[s:s + 1] for t in k], v=[t[s:s + 1] for t in v],
                                            log_gate=[g[s] for g in gates], holes=holes[s]),
                                 runner._head.fresh()) for s in range(n_slots)]
-        self.step_ms: float | None = None  # measured: one draft step for the slots that drafted together
+        # measured, for the slots that draft together: one depth, and reading the real rows a step adds (a slot
+        # that drafts every step reads its kept rows, a few; a backlog read after a pause is not a step's price)
+        self.step_ms: float | None = None
+        self.read_ms: float | None = None
 
     @property
     def feature_size(self) -> int:
@@ -107,8 +110,8 @@ class SlotDrafts:
 
     def propose(self, seqs: list[int], k: int) -> dict[int, list[int]]:
         """``k`` greedy drafts for each slot of ``seqs`` that has real rows queued, reading them first.
-        ``step_ms`` keeps the time of one depth for the slots together, the queued rows' reading left out
-        (it is paid once for those rows, however deep the slots draft)."""
+        ``step_ms`` keeps the time of one depth for the slots together; ``read_ms`` the time of reading the
+        rows, from calls where each slot had only a step's worth queued (at most ``k`` + 2)."""
         ready = []
         for seq in seqs:
             s = self.slots[seq]
@@ -120,6 +123,8 @@ class SlotDrafts:
             ready.append(seq)
         if not ready:
             return {}
+        steady = max(self.slots[seq].queued for seq in ready) <= k + 2
+        t0 = time.perf_counter()
         if self.batched:
             out, depth_s = self._propose_together(ready, k)
         else:  # each slot through the runner alone (tests compare the two)
@@ -135,6 +140,9 @@ class SlotDrafts:
                 self.runner.rollback(n_real)  # the drafted cells go; the real rows stay
         ms = 1e3 * depth_s / k
         self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
+        if steady:
+            read = max(0.0, 1e3 * (time.perf_counter() - t0 - depth_s))
+            self.read_ms = read if self.read_ms is None else 0.8 * self.read_ms + 0.2 * read
         return out
 
     @torch.inference_mode()

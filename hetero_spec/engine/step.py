@@ -297,8 +297,8 @@ class Engine:
 
     def _draft_depth(self, slots: list[Slot]) -> tuple[int, bool]:
         """How deep the draft model drafts for ``slots`` this step, and whether it is a probe: of
-        0..``draft_depth``, the depth whose step (the draft's steps, then the decode with every such slot that
-        deep) gives the most expected tokens per millisecond; the full depth when unpriced, and, as a probe
+        0..``draft_depth``, the depth whose step (reading the kept rows and the draft's depths, then the decode
+        with every such slot that deep) gives the most expected tokens per millisecond; the full depth when unpriced, and, as a probe
         that keeps the acceptance current, after ``PROBE_EVERY`` steps without drafting (twice as many after
         each probe that did not make it pay, up to ``PROBE_MAX``: a probe reads every row queued since)."""
         depth = self.drafting.draft_depth
@@ -309,11 +309,13 @@ class Engine:
         if not self.cost.known:
             return 0, False
         rate, n_gen = self.trusted[NEURAL].rate, len(self.scheduler.generating)
+        read = self.draft.read_ms if self.draft.read_ms is not None else self.draft.step_ms  # a step's kept rows
         best_k, best_value = 0, -1.0
         for k in range(depth + 1):
             ks = {s: k for s in slots}
             ms = sum(self.cost.at(n) for n in micro_batches(self.scheduler.counts(ks), self.target.options.max_rows))
-            value = (n_gen + len(slots) * expected_accepted([rate] * k)) / (ms + k * self.draft.step_ms)
+            draft_ms = read + k * self.draft.step_ms if k else 0.0
+            value = (n_gen + len(slots) * expected_accepted([rate] * k)) / (ms + draft_ms)
             if value > best_value:
                 best_k, best_value = k, value
         return best_k, False
