@@ -714,7 +714,9 @@ def test_parallel_with_a_tree_is_refused_in_one_line(model_path):
 
 def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_path, http):
     """``serve MODEL`` with no draft model: 4 slots (llama-server's default), prompt-lookup rows priced on the
-    batch, and greedy answers equal to the one-sequence server's."""
+    batch, and greedy answers equal to the one-sequence server's.  Whether copies pay beside three other
+    generating slots depends on this machine's measured row costs; the same request again, alone, copies its
+    past answer whole (a match of its full length, one slot generating), which pays on any machine."""
     prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
     cases = [prompt, *PROMPTS[:3]]
     alone = [http.post("/v1/chat/completions", json=chat_body(p, max_tokens=48)).json() for p in cases]
@@ -727,7 +729,9 @@ def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_pa
                                     cases))
             for a, b in zip(alone, got):
                 assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
-            assert metric(c, 'hetero_spec_rows_total{kind="draft"}') > 0
-            assert metric(c, "hetero_spec_accepted_rows_total") > 0
+            before = metric(c, "hetero_spec_accepted_rows_total")
+            again = c.post("/v1/chat/completions", json=chat_body(prompt, max_tokens=48)).json()
+            assert again["choices"][0]["message"]["content"] == alone[0]["choices"][0]["message"]["content"]
+            assert metric(c, "hetero_spec_accepted_rows_total") > before  # the repeat copied its past answer
     finally:
         assert srv.stop() == 0, "\n".join(srv.lines[-20:])
