@@ -88,7 +88,11 @@ class ContextHead:
         best = getattr(self.base, "best", None)
         if best is None:
             return self.d2t_t[self(feat)[0].argmax()]
-        row, score = best(feat)
+        return self.pick(feat, *best(feat))
+
+    def pick(self, feat: torch.Tensor, row: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """The target id [] for feat [1, n_embd] whose best draft row is ``row`` [] with logit ``score`` []: that
+        row's id, unless an added row scores higher (a tie goes to the draft row, as an argmax over both parts)."""
         if self._extra is not None:
             extra = (feat.to(self._extra.dtype) @ self._extra.t())[0]  # [n_added]
             j = extra.argmax()

@@ -134,9 +134,9 @@ class SlotDrafts:
                 feats, tokens = self._take(s)
                 self._use(s)
                 n_real = s.cache.n + len(tokens)
-                t0 = time.perf_counter()
+                t_slot = time.perf_counter()
                 out[seq] = self.runner.propose(feats, tokens, k)
-                depth_s += time.perf_counter() - t0
+                depth_s += time.perf_counter() - t_slot
                 self.runner.rollback(n_real)  # the drafted cells go; the real rows stay
         ms = 1e3 * depth_s / k
         self.step_ms = ms if self.step_ms is None else 0.8 * self.step_ms + 0.2 * ms
@@ -176,23 +176,13 @@ class SlotDrafts:
     def _greedy(self, seqs: list[int], feat: torch.Tensor) -> torch.Tensor:
         """Each row's proposal [B] (target ids) from its slot's head: the shared rows scored together (int8 with
         the best rows rescored in float, as ``RescoredInt8Head.best``), then the slot's own context rows."""
-        head = self.runner._head
-        best = getattr(head.base, "best_rows", None)
+        base = self.runner._head.base  # the rows every slot shares
+        best = getattr(base, "best_rows", None)
         if best is not None:
             rows, scores = best(feat)
         else:
-            scores, rows = head.base(feat).float().max(dim=-1)
-        n_base = len(head._base_d2t)
-        out = []
-        for b, seq in enumerate(seqs):
-            h = self.slots[seq].head
-            row = rows[b]
-            if h._extra is not None:
-                extra = (feat[b:b + 1].to(h._extra.dtype) @ h._extra.t())[0]
-                e = extra.argmax()
-                row = torch.where(extra[e].to(scores.dtype) > scores[b], e + n_base, row)
-            out.append(h.d2t_t[row])
-        return torch.stack(out)
+            scores, rows = base(feat).float().max(dim=-1)
+        return torch.stack([self.slots[seq].head.pick(feat[b:b + 1], rows[b], scores[b]) for b, seq in enumerate(seqs)])
 
     def _step_together(self, seqs: list[int], g: torch.Tensor, tokens: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,8 +241,7 @@ class SlotDrafts:
             s.active = False
             return
         self._use(s)
-        self.runner.prefill(np.concatenate(s.feats), s.tokens)
-        s.feats, s.tokens = [], []
+        self.runner.prefill(*self._take(s))
 
     def _use(self, s: SlotDraft) -> None:
         """Point the runner at slot ``s``'s cache and context rows."""
