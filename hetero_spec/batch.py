@@ -24,7 +24,7 @@ from .engine import Drafting, Engine, Request
 from .errors import HeteroSpecError
 from .target.invariance import exact_micro_batch
 from .target.llama_target import BATCH_INVARIANT_ROWS
-from .target.sequences import SequenceOptions, SequenceTarget
+from .target.sequences import SequenceOptions
 
 COPY_DEPTH = 16  # longest copy-draft chain a slot verifies in a step (as the server's)
 DRAFT_DEPTH = 4  # longest draft-model chain (as the server's)
@@ -55,23 +55,17 @@ class BatchGenerator:
                  draft_dtype: str = "auto") -> None:
         """``draft``: a draft file for ``model`` (its chains verified beside the copies); ``drafts`` False: no
         draft rows of any kind."""
-        from .api import draft_taps, load_runner
-        from .config import DenoiseConfig
-        from .engine.drafts import SlotDrafts
+        from .engine.drafts import open_slots
 
         for path in (model, draft):
             if path is not None and not Path(path).is_file():
                 raise HeteroSpecError(f"no such file: {path}")
         draft = draft if drafts else None
         rows = min(exact_micro_batch(model, threads=threads, kv_type=kv_type), BATCH_INVARIANT_ROWS)
-        self.target = SequenceTarget(model, SequenceOptions(n_seq=slots, seq_ctx=n_ctx, n_threads=threads,
-                                                            kv_type=kv_type, max_rows=rows, features=draft is not None,
-                                                            taps=draft_taps(draft)))
+        self.target, slot_drafts = open_slots(model, draft, SequenceOptions(
+            n_seq=slots, seq_ctx=n_ctx, n_threads=threads, kv_type=kv_type, max_rows=rows),
+            device=draft_device, dtype=draft_dtype)
         try:  # the target is closed if anything below fails
-            slot_drafts = None
-            if draft is not None:
-                runner = load_runner(self.target, draft, device=draft_device, dtype=draft_dtype, denoise=DenoiseConfig())
-                slot_drafts = SlotDrafts(runner, slots)
             drafting = Drafting(lookup_depth=COPY_DEPTH if drafts else 0, draft_depth=DRAFT_DEPTH if draft else 0)
             self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts)
             if drafts:

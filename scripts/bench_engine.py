@@ -22,21 +22,15 @@ import click
 from hetero_spec.bench.prompts import shipped_text
 from hetero_spec.chat_template import render_chat
 from hetero_spec.engine import Drafting, Engine, Request
-from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
+from hetero_spec.target.sequences import SequenceOptions
 
 
 def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, threads: int,
         draft: Path | None = None, draft_depth: int = 0, priced: bool = True) -> dict:
-    from hetero_spec.api import draft_taps, load_runner
-    from hetero_spec.config import DenoiseConfig
-    from hetero_spec.engine.drafts import SlotDrafts
+    from hetero_spec.engine.drafts import open_slots
 
-    opts = SequenceOptions(n_seq=n_seq, seq_ctx=1024, n_threads=threads, features=draft is not None,
-                           taps=draft_taps(draft))
-    with SequenceTarget(model, opts) as t:
-        drafts = None
-        if draft is not None:
-            drafts = SlotDrafts(load_runner(t, draft, device="cpu", dtype="auto", denoise=DenoiseConfig()), n_seq)
+    t, drafts = open_slots(model, draft, SequenceOptions(n_seq=n_seq, seq_ctx=1024, n_threads=threads), device="cpu")
+    with t:
         engine = Engine(t, max_waiting=len(texts), draft=drafts,
                         drafting=Drafting(lookup_depth=depth, draft_depth=draft_depth, priced=priced))
         if depth or draft_depth:

@@ -21,14 +21,17 @@ them (``DraftRunner.skip``), as ``HeteroSpec`` does for a reused prefix.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..config import DenoiseConfig
 from ..draft.context_head import ContextHead
 from ..draft.runner import DraftCache, DraftRunner
+from ..target.sequences import SequenceOptions, SequenceTarget
 
 FLUSH_ROWS = 1024  # real rows a slot may queue while it does not draft (7 MB of SmolLM2's taps); then they are read
 
@@ -246,3 +249,24 @@ class SlotDrafts:
     def _use(self, s: SlotDraft) -> None:
         """Point the runner at slot ``s``'s cache and context rows."""
         self.runner.cache, self.runner._head = s.cache, s.head
+
+
+def open_slots(model: str | Path, draft: str | Path | None, options: SequenceOptions, *, device: str = "auto",
+               dtype: str = "auto", denoise: DenoiseConfig = DenoiseConfig()
+               ) -> tuple[SequenceTarget, SlotDrafts | None]:
+    """The engine's target and, with a draft file, the slots' drafts: the target opened with the features the
+    draft reads (its taps), the draft loaded against it as ``run`` loads one (``api.load_runner``).  The target
+    is closed if the draft fails to load."""
+    from ..api import draft_taps, load_runner
+
+    if draft is not None:
+        options = replace(options, features=True, taps=draft_taps(draft))
+    target = SequenceTarget(model, options)
+    if draft is None:
+        return target, None
+    try:
+        runner = load_runner(target, draft, device=device, dtype=dtype, denoise=denoise)
+        return target, SlotDrafts(runner, options.n_seq)
+    except BaseException:
+        target.close()
+        raise

@@ -75,11 +75,10 @@ def slot_loader(engine: EngineConfig):
     ``--ctx`` cells each) and, with a draft file, the slots' drafts, on that thread."""
 
     def load():
-        from ..api import draft_taps, load_runner
-        from ..engine.drafts import SlotDrafts
+        from ..engine.drafts import open_slots
         from ..target.invariance import exact_micro_batch
         from ..target.llama_target import BATCH_INVARIANT_ROWS
-        from ..target.sequences import SequenceOptions, SequenceTarget
+        from ..target.sequences import SequenceOptions
         from .slot_worker import SlotModel
 
         rows = exact_micro_batch(engine.model, threads=engine.threads, kv_type=engine.kv_type)
@@ -87,19 +86,11 @@ def slot_loader(engine: EngineConfig):
             log.warning("%s is bit-exact only up to %d rows a decode on this machine: micro-batches of %d "
                         "(docs/exactness.md)", engine.model.name, rows, rows)
         draft = engine.draft if engine.draft_len != 0 else None
-        target = SequenceTarget(engine.model, SequenceOptions(
+        target, drafts = open_slots(engine.model, draft, SequenceOptions(
             n_seq=engine.parallel, seq_ctx=engine.n_ctx, n_threads=engine.threads, kv_type=engine.kv_type,
-            max_rows=min(rows, BATCH_INVARIANT_ROWS), features=draft is not None,
-            taps=draft_taps(draft) if draft is not None else ()))
-        try:
-            if draft is None:
-                return SlotModel(target)
-            runner = load_runner(target, draft, device=engine.draft_device, dtype=engine.draft_dtype,
-                                 denoise=engine.denoise)
-            return SlotModel(target, SlotDrafts(runner, engine.parallel))
-        except BaseException:
-            target.close()
-            raise
+            max_rows=min(rows, BATCH_INVARIANT_ROWS)), device=engine.draft_device, dtype=engine.draft_dtype,
+            denoise=engine.denoise)
+        return SlotModel(target, drafts)
 
     return load
 
