@@ -7,15 +7,14 @@ caches are views into one tensor per block, ``[n_slots, n_kv, positions, head_di
 
 The chains of the slots that draft together are drafted in one forward per depth: their rows go
 through the fusion, the blocks and the head as one batch (one read of the weights, one set of kernel
-launches on a GPU), each row attending to its own slot's cells.  Each slot's real rows are read first,
-slot by slot (their number differs per slot).  The int8 layers quantize a batch's activations together,
-so a batched chain can differ from the one the slot would draft alone in a near-tie; a draft only
-proposes, so that changes acceptance at most, never the output.
+launches on a GPU), each row attending to its own slot's cells.  The slots' queued real rows are read
+first, in one forward too: slot b's m_b rows padded to the longest slot's.  The int8 layers quantize a
+batch's activations together, so a batched chain can differ from the one the slot would draft alone in
+a near-tie; a draft only proposes, so that changes acceptance at most, never the output.
 
 Real rows arrive after every decode: the target's features of each kept row with the token picked
 after it (a prompt row's next prompt token, a generated row's answer token).  They queue per slot and
-are read the next time that slot drafts, in one forward, so a step that does not draft costs nothing
-here.  Positions whose cells were reused from an earlier request have no features; the draft skips
+are read the next time that slot drafts, so a step that does not draft costs nothing here.  Positions whose cells were reused from an earlier request have no features; the draft skips
 them (``DraftRunner.skip``), as ``HeteroSpec`` does for a reused prefix.
 """
 from __future__ import annotations
@@ -150,27 +149,27 @@ class SlotDrafts:
 
     @torch.inference_mode()
     def _propose_together(self, seqs: list[int], k: int) -> tuple[dict[int, list[int]], float]:
-        """``DraftRunner.propose`` for several slots: each reads its real rows, then every depth is one forward
-        of one row per slot; also returns the seconds the depths took."""
+        """``DraftRunner.propose`` for several slots: one forward reads every slot's queued real rows, then every
+        depth is one forward of one row per slot; also returns the seconds the depths took."""
         r = self.runner
-        xs, feats, n_real = [], [], []
-        for seq in seqs:
-            s = self.slots[seq]
-            rows, tokens = self._take(s)
-            self._use(s)
-            g, toks = r._real(rows), r._tokens(tokens)
-            x, feat = r._forward(g, toks)
-            xs.append(x[:, -1:])
-            feats.append(feat[:, -1:])
-            n_real.append(s.cache.n)
-        x, feat = torch.cat(xs), torch.cat(feats)  # [B, 1, hidden], [B, 1, n_embd]
+        taken = [self._take(self.slots[seq]) for seq in seqs]
+        lengths = [len(tokens) for _, tokens in taken]
+        M = max(lengths)
+        # slot b's rows at [b, :m_b]; its pad rows repeat its last real row (so the int8 layers, which quantize a
+        # batch's activations together, see no values the real rows lack) and are dropped with their cells
+        offsets = np.cumsum([0] + lengths[:-1])
+        pick = torch.tensor([[o + min(j, m - 1) for j in range(M)] for o, m in zip(offsets, lengths)], device=r.device)
+        g = r._real(np.concatenate([rows for rows, _ in taken]))[0, pick]  # [B, M, feature_size]
+        tokens = r._tokens([t for _, ts in taken for t in ts])[0, pick]  # [B, M]
+        x, feat = self._forward_together(seqs, g, tokens, lengths)
+        n_real = [self.slots[seq].cache.n for seq in seqs]
         t0 = time.perf_counter()
         chains = []  # [B] target ids per depth, on the device: read back once
         for j in range(k):
             tok = self._greedy(seqs, feat[:, 0])
             chains.append(tok)
             if j + 1 < k:
-                x, feat = self._step_together(seqs, r.model.drafted_input(x, feat), tok.view(-1, 1))
+                x, feat = self._forward_together(seqs, r.model.drafted_input(x, feat), tok.view(-1, 1))
         for seq, n in zip(seqs, n_real):
             self.slots[seq].cache.n = n  # the drafted cells go; the real rows stay
         out = dict(zip(seqs, torch.stack(chains, dim=1).tolist()))  # the one read-back (a GPU waits here)
@@ -187,50 +186,61 @@ class SlotDrafts:
             scores, rows = base(feat).float().max(dim=-1)
         return torch.stack([self.slots[seq].head.pick(feat[b:b + 1], rows[b], scores[b]) for b, seq in enumerate(seqs)])
 
-    def _step_together(self, seqs: list[int], g: torch.Tensor, tokens: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafted position for each slot of ``seqs`` in one forward: g [B, 1, feature_size], tokens [B, 1],
-        each at its slot's next cell -> (pre-norm [B, 1, hidden], predicted features [B, 1, n_embd]).
-        ``DraftRunner._forward_one``'s arithmetic, a row per slot, each attending to its own slot's cells."""
+    def _forward_together(self, seqs: list[int], g: torch.Tensor, tokens: torch.Tensor,
+                          lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of several slots in one forward: g [B, M, feature_size], tokens [B, M]; slot ``seqs[b]``'s rows
+        are [b, :lengths[b]] (all M by default), at its next cells; the rest pad.  Returns the last real row
+        of each slot: (pre-norm [B, 1, hidden], predicted features [B, 1, n_embd]).
+
+        ``DraftRunner._forward``'s arithmetic (``_forward_one``'s for one row), each row attending to its own
+        slot's cells up to its own position.  Pad rows sit at the cells after their slot's real rows (the last
+        cell at most), which nothing reads before a real or drafted row writes them again."""
         r, model = self.runner, self.runner.model
         cfg, dev = r.cfg, r.device
         nh, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        B, half = len(seqs), hd // 2
-        pos = [self.slots[seq].cache.n for seq in seqs]
-        S, P = torch.tensor(seqs, device=dev), torch.tensor(pos, device=dev)
-        L = max(pos) + 1
-        later = torch.arange(L, device=dev)[None, :] > P[:, None]  # [B, L]: cells past each row's own position
+        B, M = tokens.shape
+        half, grp = hd // 2, nh // nkv
+        m = lengths or [M] * B
+        n0 = [self.slots[seq].cache.n for seq in seqs]
+        S = torch.tensor(seqs, device=dev)
+        P = (torch.tensor(n0, device=dev)[:, None] + torch.arange(M, device=dev)).clamp_(max=r.max_positions - 1)
+        end = torch.tensor([n + mb for n, mb in zip(n0, m)], device=dev)  # each slot's cells after its real rows
+        L = int(end.max())
+        cols = torch.arange(L, device=dev)
+        later = cols[None, None, :] > P[:, :, None]  # [B, M, L]: cells past each row's own position
         x, attn_in = model.fusion(g, model.embed[tokens])
-        cos, sin = model.rope_cos[P][:, None], model.rope_sin[P][:, None]  # [B, 1, hd]
-        self._holes[S, P] = 0.0  # these cells get real states now
+        cos, sin = model.rope_cos[P][:, :, None], model.rope_sin[P][:, :, None]  # [B, M, 1, hd]
+        SB = S[:, None].expand(B, M)
+        self._holes[SB, P] = 0.0  # these cells get real states now
         for i, blk in enumerate(model.blocks):
             if attn_in is not None:
                 xn, attn_in = attn_in, None
             else:
                 xn = blk.attn_norm(x) if blk.attn_norm is not None else x
-            qkv = blk.qkv(xn).view(B, nh + 2 * nkv, hd)
-            qk = qkv[:, : nh + nkv]
+            qkv = blk.qkv(xn).view(B, M, nh + 2 * nkv, hd)
+            qk = qkv[:, :, : nh + nkv]
             qk = (qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin).to(qkv.dtype)
-            self._k[i][S, :, P] = qk[:, nh:]
-            self._v[i][S, :, P] = qkv[:, nh + nkv:]
+            self._k[i][SB, :, P] = qk[:, :, nh:]
+            self._v[i][SB, :, P] = qkv[:, :, nh + nkv:]
             gated = blk.importance is not None
             if gated:
-                self._gates[i][S, P] = F.logsigmoid(blk.importance(xn).view(B).float())
+                self._gates[i][SB, P] = F.logsigmoid(blk.importance(xn).view(B, M).float())
                 bias = self._gates[i][S, :L] + self._holes[S, :L]
                 if r._log_threshold is not None:  # denoising: old keys under the threshold go, a recent window stays
-                    recent = torch.arange(L, device=dev)[None, :] >= (P + 1 - r.denoise.recent_window)[:, None]
+                    recent = cols[None, :] >= (end - r.denoise.recent_window)[:, None]
                     bias = torch.where(recent | (bias >= r._log_threshold), bias, float("-inf"))
             else:
                 bias = self._holes[S, :L].clone()
-            bias = bias.masked_fill(later, float("-inf"))
-            q = qk[:, :nh].reshape(B, nkv, nh // nkv, hd)
-            keys, values = self._k[i][S, :, :L], self._v[i][S, :, :L]  # [B, nkv, L, hd]
-            scores = torch.matmul(q, keys.transpose(-1, -2)) * hd**-0.5 + bias[:, None, None, :].to(q.dtype)
-            a = torch.matmul(scores.softmax(dim=-1), values)  # [B, nkv, nh / nkv, hd]
-            x = blk.after_attention(x, a.reshape(B, 1, nh * hd))
-        for seq, p in zip(seqs, pos):
-            self.slots[seq].cache.n = p + 1
-        return x, model.feature_out(x)
+            bias = bias[:, None, :].masked_fill(later, float("-inf"))  # [B, M, L]
+            q = qk[:, :, :nh].reshape(B, M, nkv, grp, hd).permute(0, 2, 3, 1, 4)  # [B, nkv, grp, M, hd]
+            keys, values = self._k[i][S, :, None, :L], self._v[i][S, :, None, :L]  # [B, nkv, 1, L, hd]
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * hd**-0.5 + bias[:, None, None].to(q.dtype)
+            a = torch.matmul(scores.softmax(dim=-1), values)  # [B, nkv, grp, M, hd]
+            x = blk.after_attention(x, a.permute(0, 3, 1, 2, 4).reshape(B, M, nh * hd))
+        for seq, n in zip(seqs, end.tolist()):
+            self.slots[seq].cache.n = n
+        last = x[torch.arange(B, device=dev), torch.tensor(m, device=dev) - 1][:, None]  # [B, 1, hidden]
+        return last, model.feature_out(last)
 
     def _take(self, s: SlotDraft) -> tuple[np.ndarray, list[int]]:
         """The slot's queued rows, which leave the queue."""
