@@ -61,12 +61,8 @@ class Plan:
 class Scheduler:
     """The slots, the bounded FIFO of waiting requests, and the layout of the next step."""
 
-    def __init__(self, n_slots: int, max_waiting: int, max_rows: int, seq_ctx: int = 1 << 30,
-                 prompt_outputs: bool = False) -> None:
-        """``prompt_outputs``: every prompt row is an output (a draft model reads each one's features), not
-        only the last."""
+    def __init__(self, n_slots: int, max_waiting: int, max_rows: int, seq_ctx: int = 1 << 30) -> None:
         self.slots = [Slot(seq) for seq in range(n_slots)]
-        self.prompt_outputs = prompt_outputs
         self.seq_ctx = seq_ctx
         self.max_waiting = max_waiting
         self.max_rows = max_rows
@@ -160,7 +156,7 @@ class Scheduler:
             by_seq[slot.seq] = rows
         if chunk is not None:
             prompt = chunk.request.prompt
-            by_seq[chunk.seq] = [(chunk, Row(chunk.seq, prompt[p], p, self.prompt_outputs or p == len(prompt) - 1),
+            by_seq[chunk.seq] = [(chunk, Row(chunk.seq, prompt[p], p, p == len(prompt) - 1),
                                   "prompt")
                                  for p in range(chunk.fed, chunk.fed + self.chunk_rows(width))]
         if not by_seq or not width:

@@ -101,9 +101,8 @@ class Engine:
                                  f"features=True and the draft's taps (it gives {target.feature_size})")
             if len(self.draft.slots) < target.options.n_seq:
                 raise ValueError(f"the draft has {len(self.draft.slots)} slots for {target.options.n_seq} sequences")
-        # with features llama.cpp computes every row anyway, and a draft or a request keeping features reads them all
-        self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx,
-                                   prompt_outputs=target.options.features)
+        # only the rows whose logits pick a token are outputs: the target's features cover every row
+        self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx)
         self.cost = StepCost()
         # acceptance of trusted drafts by the length of the match behind them (an exact repeat of a past answer
         # matches far back and is copied almost whole), of the draft model's chains, and of guesses that only
@@ -198,26 +197,27 @@ class Engine:
         decode_s = time.perf_counter() - t0
         if len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
             self.cost.observe(len(plan.rows), 1e3 * decode_s)
-        feats = self.target.features() if self.target.options.features and len(logits) else None
+        feats = self.target.features() if self.target.options.features else None  # [rows of the decode, ...]
         accepted = 0
         trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}
-        for slot, outs in _output_rows(plan.rows).items():
+        for slot, mine in _slot_rows(plan.rows).items():
             if slot.free:
                 continue
             req = slot.request
             before = len(req.out)
-            prompt = [(j, row) for j, row, kind in outs if kind == "prompt"]
+            prompt = [(i, row) for i, _, row, kind in mine if kind == "prompt"]
             if slot.prefilling:
-                slot.fed += sum(1 for s, _, kind in plan.rows if s is slot and kind == "prompt")
-            picking = [j for j, row, kind in outs if kind != "prompt" or row.pos == len(req.prompt) - 1]
+                slot.fed += len(prompt)
+            picking = [(i, j) for i, j, row, kind in mine
+                       if j is not None and (kind != "prompt" or row.pos == len(req.prompt) - 1)]
             if picking:
-                accepted += self._accept(slot, [logits[j] for j in picking])
+                accepted += self._accept(slot, [logits[j] for _, j in picking])
             if feats is not None:
                 picked = req.out[before:]
-                real = [(j, req.prompt[row.pos + 1]) for j, row in prompt if row.pos + 1 < len(req.prompt)]
-                real += list(zip(picking, picked))  # each kept row with the token picked after it
+                real = [(i, req.prompt[row.pos + 1]) for i, row in prompt if row.pos + 1 < len(req.prompt)]
+                real += [(i, t) for (i, _), t in zip(picking, picked)]  # each kept row with the token picked after it
                 if real:
-                    rows = feats[[j for j, _ in real]]
+                    rows = feats[[i for i, _ in real]]
                     if req.keep_features:
                         req.features.append(rows)
                     if self.draft is not None and not req.done:
@@ -421,15 +421,14 @@ class Engine:
         return [r.out for r in requests]
 
 
-def _output_rows(rows) -> dict:
-    """{slot: [(index into the decode's logits, row, kind)] of its output rows, in row order} (slots in row order)."""
+def _slot_rows(rows) -> dict:
+    """{slot: [(index in the decode, index into its logits or None, row, kind)] in row order} (slots in row
+    order); only output rows have logits."""
     out: dict = {}
     j = 0
-    for slot, row, kind in rows:
-        mine = out.setdefault(slot, [])
-        if row.output:
-            mine.append((j, row, kind))
-            j += 1
+    for i, (slot, row, kind) in enumerate(rows):
+        out.setdefault(slot, []).append((i, j if row.output else None, row, kind))
+        j += row.output
     return out
 
 

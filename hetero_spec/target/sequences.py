@@ -87,6 +87,10 @@ class SequenceTarget(Vocabulary, Owners):
         self.path = Path(path)
         self.options = options
         self._model = ModelHandle(self.path)
+        # Final-norm features need llama.cpp's embeddings, and with them it computes every row's logits too (the
+        # LM head on prompt rows included).  A draft's taps need neither: llama.cpp keeps each tapped block's
+        # input for every row of a decode whatever its outputs, so only the rows asked for pay the LM head.
+        self._every_row = options.features and not options.taps
         try:
             self.n_vocab = C.llama_vocab_n_tokens(self._model.vocab)
             self.n_threads = options.n_threads or default_threads()
@@ -94,7 +98,7 @@ class SequenceTarget(Vocabulary, Owners):
             self.n_embd = C.llama_model_n_embd(self._model.ptr)
             self._ctx = ContextHandle(self._model, n_ctx=options.seq_ctx * options.n_seq, n_batch=options.batch_rows,
                                       n_ubatch=options.max_rows,
-                                      n_threads=self.n_threads, embeddings=options.features, n_seq_max=options.n_seq,
+                                      n_threads=self.n_threads, embeddings=self._every_row, n_seq_max=options.n_seq,
                                       kv_unified=options.kv_unified, flash_attn=-1,
                                       kv_type=kv_type_id(options.kv_type, self._model))
             self._batch = BatchHandle(options.batch_rows, n_seq_max=1)
@@ -106,8 +110,7 @@ class SequenceTarget(Vocabulary, Owners):
         self.n_ctx = options.seq_ctx  # what one request may use, as LlamaTarget.n_ctx
         self.feature_size = self.n_embd * len(options.taps) if options.taps else self.n_embd
         self._fingerprint: TargetFingerprint | None = None
-        self._out_rows: list[int] = []  # with features: the output rows of the last decode, and how many rows it had
-        self._n_rows = 0
+        self._n_rows = 0  # with features: how many rows the last decode had
 
     @property
     def fingerprint(self) -> TargetFingerprint:
@@ -116,14 +119,14 @@ class SequenceTarget(Vocabulary, Owners):
         return self._fingerprint
 
     def features(self) -> np.ndarray:
-        """The last decode's features of its output rows, in row order: ``[n_output, feature_size]`` float32 (a
-        copy); only with ``SequenceOptions.features``."""
+        """The last decode's features of every row, output or not, in row order: ``[n_rows, feature_size]``
+        float32 (a copy); only with ``SequenceOptions.features``."""
         if not self.options.features:
             raise TargetError("this SequenceTarget was opened without features")
-        n, rows = self._n_rows, self._out_rows
+        n = self._n_rows
         if self._taps is None:
-            return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))[rows]
-        return np.concatenate([np.ctypeslib.as_array(self._taps.get(self._ctx.ptr, i), shape=(n, self.n_embd))[rows]
+            return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd)).copy()
+        return np.concatenate([np.ctypeslib.as_array(self._taps.get(self._ctx.ptr, i), shape=(n, self.n_embd))
                                for i in self.options.taps], axis=1)
 
     def decode(self, rows: list[Row]) -> np.ndarray:
@@ -133,7 +136,7 @@ class SequenceTarget(Vocabulary, Owners):
         b = self._batch
         if not 0 < n <= b.capacity:
             raise TargetError(f"a decode takes 1..{b.capacity} rows, not {n}")
-        every = self.options.features  # with embeddings on, llama.cpp outputs every row whatever the flags say
+        every = self._every_row  # with embeddings on, llama.cpp outputs every row whatever the flags say
         for i, r in enumerate(rows):
             if not 0 <= r.pos < self.seq_ctx:
                 raise TargetError(f"position {r.pos} is outside sequence {r.seq}'s {self.seq_ctx} cells")
@@ -142,10 +145,10 @@ class SequenceTarget(Vocabulary, Owners):
         b.n_seq_id[:n] = 1
         b.raw.n_tokens = n
         _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
-        if every:  # every row came out: keep the asked-for ones (a copy), and where they are for ``features``
-            self._out_rows = [i for i, r in enumerate(rows) if r.output]
-            self._n_rows = n
-            return np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n, self.n_vocab))[self._out_rows]
+        self._n_rows = n
+        if every:  # every row came out: keep the asked-for ones (a copy)
+            return np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n, self.n_vocab))[
+                [i for i, r in enumerate(rows) if r.output]]
         n_out = sum(1 for r in rows if r.output)
         if not n_out:
             return np.empty((0, self.n_vocab), dtype=np.float32)

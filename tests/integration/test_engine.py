@@ -381,10 +381,37 @@ def test_draft_model_is_priced_off_when_rows_are_dear_and_probes_back_off(model_
     assert gaps[:2] == [65, 129], steps_at  # the 64 (128) steps that did not draft, then the probe
 
 
-def test_one_forward_per_depth_computes_each_slot_as_alone(model_path, prompts):
-    """``_step_together`` against ``DraftRunner._forward`` slot by slot, on float32 weights: slots at different
-    positions, with stale cells of an earlier, longer text past the nearer one's position, get the same
-    features to float rounding, and write the same cells."""
+@pytest.mark.parametrize("tapped", [False, True], ids=["final-norm", "taps"])
+def test_features_cover_every_row_whatever_its_outputs(model_path, prompts, tapped):
+    """``features()`` gives every row of the last decode, in row order, whether a row asked for logits or not:
+    a prompt decoded with only its last row an output gives the features (and last logits) of the same prompt
+    with every row an output.  With taps the other rows skip the LM head (the engine asks for logits only
+    where it picks a token); with the final-norm state llama.cpp computes every row's anyway."""
+    from hetero_spec.api import draft_taps
+    from hetero_spec.target.sequences import Row
+
+    opts = SequenceOptions(n_seq=1, seq_ctx=SEQ_CTX, n_threads=1, features=True,
+                           taps=draft_taps(DARTER) if tapped else ())
+    ids = prompts[2][:24]
+    with SequenceTarget(model_path, opts) as target:
+        every_logits = target.decode([Row(0, t, p, True) for p, t in enumerate(ids)]).copy()
+        every = target.features()
+        target.clear(0)
+        last_logits = target.decode([Row(0, t, p, p == len(ids) - 1) for p, t in enumerate(ids)]).copy()  # a view
+        feats = target.features()
+        size = target.feature_size
+    assert len(every_logits) == len(ids) and len(last_logits) == 1
+    assert feats.shape == (len(ids), size)
+    np.testing.assert_array_equal(feats, every)
+    np.testing.assert_array_equal(last_logits[0], every_logits[-1])
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (3, 5), (4, 1)], ids=["a-depth", "reads-3-and-5", "reads-4-and-1"])
+def test_one_forward_computes_each_slot_as_alone(model_path, prompts, rows):
+    """``_forward_together`` against ``DraftRunner._forward`` slot by slot, on float32 weights: a drafted depth
+    (one row per slot) and reads of real rows (a different number per slot, the shorter slot padded), with the
+    slots at different positions and stale cells of an earlier, longer text past the nearer one's position,
+    give the same last-row states to float rounding and write the same cells."""
     import torch
 
     from hetero_spec.api import draft_taps
@@ -408,15 +435,19 @@ def test_one_forward_per_depth_computes_each_slot_as_alone(model_path, prompts):
         drafts.feed(seq, f[:n], ids[1:n + 1])
         drafts.propose([seq], k=1)  # reads the rows
     r = drafts.runner
-    g = torch.randn(2, 1, r.cfg.feature_size, generator=torch.Generator().manual_seed(0))
-    tokens = torch.tensor([[17], [905]])
-    x, feat = drafts._step_together([0, 1], g, tokens)
-    for b, seq in enumerate((0, 1)):
-        drafts.slots[seq].cache.n -= 1  # the same cell again, alone
+    M = max(rows)
+    g = torch.randn(2, M, r.cfg.feature_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 8000, (2, M), generator=torch.Generator().manual_seed(1))
+    x, feat = drafts._forward_together([0, 1], g, tokens, list(rows))
+    assert [drafts.slots[seq].cache.n for seq in (0, 1)] == [ends[0] + rows[0], ends[1] + rows[1]]
+    cells = [drafts._k[0][seq, :, ends[seq]:ends[seq] + rows[seq]].clone() for seq in (0, 1)]
+    for b, (seq, m) in enumerate(zip((0, 1), rows)):
+        drafts.slots[seq].cache.n -= m  # the same cells again, alone
         drafts._use(drafts.slots[seq])
-        xa, fa = r._forward(g[b:b + 1], tokens[b:b + 1])
-        torch.testing.assert_close(x[b:b + 1], xa, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(feat[b:b + 1], fa, rtol=1e-4, atol=1e-4)
+        xa, fa = r._forward(g[b:b + 1, :m], tokens[b:b + 1, :m])
+        torch.testing.assert_close(x[b:b + 1], xa[:, -1:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feat[b:b + 1], fa[:, -1:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cells[b], drafts._k[0][seq, :, ends[seq]:ends[seq] + m], rtol=1e-4, atol=1e-4)
 
 
 def test_answer_generator_hidden_states_even_for_one_token_answers(model_path, single, prompts):
