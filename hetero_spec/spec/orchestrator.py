@@ -182,8 +182,9 @@ def generate_tokens(
     target.set_embeddings(speculative)
     # A policy that does not expect to draft soon (auto with a draft that has not been paying)
     # gets no prompt rows at all: with embeddings on, every row of a micro-batch pays the LM
-    # head (measured: +7% prefill time for the last 32-row chunk alone).  The draft then has
-    # holes over the prompt and catches up from the first generated row.
+    # head (measured: +7% prefill time for the last 32-row chunk alone; a draft with taps gets
+    # its prompt rows without, LlamaTarget.prefill), and the draft would read them.  The draft then
+    # has holes over the prompt and catches up from the first generated row.
     lazy = speculative and policy is not None and not policy.expects_drafting()
     hidden_from = len(prompt) if lazy else None
     hidden, logits = target.prefill(prompt, max_reuse=draft.n if speculative and draft is not NO_DRAFT else None,

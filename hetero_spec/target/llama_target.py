@@ -212,7 +212,9 @@ class LlamaTarget(Vocabulary, Owners):
         ``hidden_from``: the caller needs hidden states only from this position on.  Micro-batches
         ending before it are decoded with embeddings off, so only their last row pays the LM
         head (with pooling NONE every row of an embeddings batch does); their rows come back as
-        zeros.  The KV cells and the last row's logits are the same either way (tested).
+        zeros.  The KV cells and the last row's logits are the same either way (tested).  With taps
+        every micro-batch is decoded so: llama.cpp keeps the tapped blocks' inputs of every row
+        whatever the outputs, so the prompt's features cost no LM head at all.
         """
         if not tokens:
             raise TargetError("empty prompt")
@@ -228,15 +230,21 @@ class LlamaTarget(Vocabulary, Owners):
         logits = None
         step = self.options.n_batch
         wanted = self.embeddings
+        tapped = self._taps is not None
         try:
             for start in range(keep, len(tokens), step):
                 chunk = tokens[start : start + step]
                 needed = wanted and (hidden_from is None or start + len(chunk) > hidden_from)
-                self.set_embeddings(needed)
+                self.set_embeddings(needed and not tapped)
                 logits_rows, hidden_rows = self._decode(chunk)
                 if wanted:
-                    hidden_parts.append(hidden_rows.copy() if needed
-                                        else np.zeros((len(chunk), self.feature_size), dtype=np.float32))
+                    if not needed:
+                        hidden_rows = np.zeros((len(chunk), self.feature_size), dtype=np.float32)
+                    elif tapped:
+                        hidden_rows = self._features(len(chunk))  # a copy
+                    else:
+                        hidden_rows = hidden_rows.copy()
+                    hidden_parts.append(hidden_rows)
                 logits = logits_rows[-1].copy()
         finally:
             self.set_embeddings(wanted)

@@ -66,6 +66,34 @@ def test_prefill_without_hidden_states_for_early_rows_changes_nothing_else(targe
     np.testing.assert_array_equal(target.verify(extra)[0], v_full)  # same KV cells
 
 
+def test_prefill_with_taps_reads_every_row_without_the_lm_head(model_path):
+    """With a draft's taps the prefill decodes with embeddings off (only the last row pays the LM head) and
+    still returns every row's tapped features: bit-identical to decoding the same chunks with every row an
+    output, as are the last row's logits and the KV cells a later verify reads."""
+    taps = (2, 15, 27)
+    with LlamaTarget(model_path, TargetOptions(n_ctx=1024, embeddings=True, taps=taps)) as t:
+        prompt = t.tokenize(" ".join(bench_prompts("alpaca", 4)))[:100]
+        extra = t.tokenize(" and the answer is", add_special=False)
+        switched = []
+        set_embeddings = t.set_embeddings
+        t.set_embeddings = lambda on: (switched.append(on), set_embeddings(on))[1]
+        h_pre, l_pre = t.prefill(prompt)
+        del t.set_embeddings
+        assert switched[:-1] == [False] * (len(switched) - 1) and switched[-1] and t.embeddings  # off, then restored
+        v_pre = t.verify(extra)[0].copy()
+        t.reset()
+        rows, last = [], None
+        for start in range(0, len(prompt), t.options.n_batch):  # the same micro-batches, every row an output
+            logits, feats = t.verify(prompt[start:start + t.options.n_batch])
+            rows.append(feats.copy())
+            last = logits[-1].copy()
+        every = np.concatenate(rows)
+        assert h_pre.shape == every.shape == (len(prompt), len(taps) * t.n_embd)
+        np.testing.assert_array_equal(h_pre, every)
+        np.testing.assert_array_equal(l_pre, last)
+        np.testing.assert_array_equal(t.verify(extra)[0], v_pre)
+
+
 def test_kv_after_many_rounds_equals_fresh_decode(target, hs):
     """After speculative rounds with rollbacks, the cache is exactly a fresh decode of the accepted text."""
     p = bench_prompts("mt_bench", 3)[2]
