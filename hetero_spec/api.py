@@ -444,7 +444,7 @@ def _calibration_rows(target: LlamaTarget | SequenceTarget):
         feats = []
         for start in range(0, len(ids), step):
             chunk = ids[start:start + step]
-            target.decode([Row(0, t, start + i, True) for i, t in enumerate(chunk)])
+            target.decode([Row(0, t, start + i, i == len(chunk) - 1) for i, t in enumerate(chunk)])  # features: every row
             feats.append(target.features())
         target.clear(0)
         return np.concatenate(feats)[:-1], ids[1:]

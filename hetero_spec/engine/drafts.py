@@ -33,6 +33,9 @@ from ..draft.runner import DraftCache, DraftRunner
 from ..target.sequences import SequenceOptions, SequenceTarget
 
 FLUSH_ROWS = 1024  # real rows a slot may queue while it does not draft (7 MB of SmolLM2's taps); then they are read
+# rows a slot reads in the slots' shared forward; a longer backlog (a prompt, rows piled up between probes) is read
+# alone first, so that the other slots' few rows are not padded to its length
+TOGETHER_ROWS = 16
 
 
 @dataclass
@@ -152,11 +155,18 @@ class SlotDrafts:
         """``DraftRunner.propose`` for several slots: one forward reads every slot's queued real rows, then every
         depth is one forward of one row per slot; also returns the seconds the depths took."""
         r = self.runner
+        for seq in seqs:
+            s = self.slots[seq]
+            if s.queued > TOGETHER_ROWS:  # the backlog alone; its newest row joins the others
+                rows, tokens = self._take(s)
+                self._use(s)
+                r.prefill(rows[:-1], tokens[:-1])
+                s.feats, s.tokens = [rows[-1:]], tokens[-1:]
         taken = [self._take(self.slots[seq]) for seq in seqs]
         lengths = [len(tokens) for _, tokens in taken]
         M = max(lengths)
-        # slot b's rows at [b, :m_b]; its pad rows repeat its last real row (so the int8 layers, which quantize a
-        # batch's activations together, see no values the real rows lack) and are dropped with their cells
+        # slot b's rows at [b, :m_b]; its pad rows repeat its last real row (so the fusion's int8 inputs, quantized
+        # with the batch's, hold no values the real rows lack) and are dropped with their cells
         offsets = np.cumsum([0] + lengths[:-1])
         pick = torch.tensor([[o + min(j, m - 1) for j in range(M)] for o, m in zip(offsets, lengths)], device=r.device)
         g = r._real(np.concatenate([rows for rows, _ in taken]))[0, pick]  # [B, M, feature_size]
@@ -202,10 +212,12 @@ class SlotDrafts:
         half, grp = hd // 2, nh // nkv
         m = lengths or [M] * B
         n0 = [self.slots[seq].cache.n for seq in seqs]
+        ends = [n + mb for n, mb in zip(n0, m)]  # each slot's cells after its real rows
+        L, last_cell = max(ends), r.max_positions - 1
+        # indices built on the host and sent once each: nothing here reads the device back
         S = torch.tensor(seqs, device=dev)
-        P = (torch.tensor(n0, device=dev)[:, None] + torch.arange(M, device=dev)).clamp_(max=r.max_positions - 1)
-        end = torch.tensor([n + mb for n, mb in zip(n0, m)], device=dev)  # each slot's cells after its real rows
-        L = int(end.max())
+        P = torch.tensor([[min(n + j, last_cell) for j in range(M)] for n in n0], device=dev)
+        end = torch.tensor(ends, device=dev)
         cols = torch.arange(L, device=dev)
         later = cols[None, None, :] > P[:, :, None]  # [B, M, L]: cells past each row's own position
         x, attn_in = model.fusion(g, model.embed[tokens])
@@ -237,9 +249,9 @@ class SlotDrafts:
             scores = torch.matmul(q, keys.transpose(-1, -2)) * hd**-0.5 + bias[:, None, None].to(q.dtype)
             a = torch.matmul(scores.softmax(dim=-1), values)  # [B, nkv, grp, M, hd]
             x = blk.after_attention(x, a.permute(0, 3, 1, 2, 4).reshape(B, M, nh * hd))
-        for seq, n in zip(seqs, end.tolist()):
+        for seq, n in zip(seqs, ends):
             self.slots[seq].cache.n = n
-        last = x[torch.arange(B, device=dev), torch.tensor(m, device=dev) - 1][:, None]  # [B, 1, hidden]
+        last = x if M == 1 else x[torch.arange(B, device=dev), torch.tensor(m, device=dev) - 1][:, None]  # [B, 1, hidden]
         return last, model.feature_out(last)
 
     def _take(self, s: SlotDraft) -> tuple[np.ndarray, list[int]]:

@@ -197,7 +197,7 @@ class Engine:
         decode_s = time.perf_counter() - t0
         if len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
             self.cost.observe(len(plan.rows), 1e3 * decode_s)
-        feats = self.target.features() if self.target.options.features else None  # [rows of the decode, ...]
+        feats = None  # [rows of the decode, feature_size], read once a slot keeps rows
         accepted = 0
         trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}
         for slot, mine in _slot_rows(plan.rows).items():
@@ -212,11 +212,12 @@ class Engine:
                        if j is not None and (kind != "prompt" or row.pos == len(req.prompt) - 1)]
             if picking:
                 accepted += self._accept(slot, [logits[j] for _, j in picking])
-            if feats is not None:
+            if req.keep_features or (self.draft is not None and self.draft.slots[slot.seq].active and not req.done):
                 picked = req.out[before:]
                 real = [(i, req.prompt[row.pos + 1]) for i, row in prompt if row.pos + 1 < len(req.prompt)]
                 real += [(i, t) for (i, _), t in zip(picking, picked)]  # each kept row with the token picked after it
                 if real:
+                    feats = self.target.features() if feats is None else feats
                     rows = feats[[i for i, _ in real]]
                     if req.keep_features:
                         req.features.append(rows)

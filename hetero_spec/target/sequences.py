@@ -131,7 +131,7 @@ class SequenceTarget(Vocabulary, Owners):
 
     def decode(self, rows: list[Row]) -> np.ndarray:
         """One ``llama_decode`` of ``rows`` (at most ``batch_rows``; llama.cpp cuts it into micro-batches of at
-        most ``max_rows``); the logits of the rows marked ``output``, in row order: ``[n_output, n_vocab] float32``, a view valid until the next decode (with ``features``, a copy)."""
+        most ``max_rows``); the logits of the rows marked ``output``, in row order: ``[n_output, n_vocab] float32``, a view valid until the next decode (a copy with final-norm features)."""
         n = len(rows)
         b = self._batch
         if not 0 < n <= b.capacity:

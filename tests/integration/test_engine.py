@@ -406,6 +406,31 @@ def test_features_cover_every_row_whatever_its_outputs(model_path, prompts, tapp
     np.testing.assert_array_equal(last_logits[0], every_logits[-1])
 
 
+def test_tapped_features_of_two_sequences_in_one_decode_equal_each_alone(model_path, prompts):
+    """One decode of more rows than a micro-batch holds, two sequences in reverse order (llama.cpp regroups the
+    rows by sequence into micro-batches, one of them without any output row): every row's tapped features, in
+    the decode's row order, equal those of its sequence decoded alone."""
+    from hetero_spec.api import draft_taps
+    from hetero_spec.target.sequences import Row
+
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
+    a, b = prompts[2], prompts[4][:12]
+    assert len(a) > opts.max_rows and len(b) == 12
+    with SequenceTarget(model_path, opts) as target:
+        target.decode([Row(1, t, p, p == len(b) - 1) for p, t in enumerate(b)]
+                      + [Row(0, t, p, False) for p, t in enumerate(a)])
+        both = target.features()
+        alone = {}
+        for seq, ids in ((0, a), (1, b)):
+            target.clear(0)
+            target.clear(1)
+            target.decode([Row(seq, t, p, True) for p, t in enumerate(ids)])
+            alone[seq] = target.features()
+    assert both.shape == (len(a) + len(b), target.feature_size)
+    np.testing.assert_array_equal(both[:len(b)], alone[1])
+    np.testing.assert_array_equal(both[len(b):], alone[0])
+
+
 @pytest.mark.parametrize("rows", [(1, 1), (3, 5), (4, 1)], ids=["a-depth", "reads-3-and-5", "reads-4-and-1"])
 def test_one_forward_computes_each_slot_as_alone(model_path, prompts, rows):
     """``_forward_together`` against ``DraftRunner._forward`` slot by slot, on float32 weights: a drafted depth
