@@ -14,10 +14,12 @@ when a block differs from what this script makes of the files.
     python scripts/results_tables.py plot                  # results/plots/speedup-by-set.png
     python scripts/results_tables.py add bench-out/bench.json NAME --command "hetero-spec bench ..."
     python scripts/results_tables.py record results/exactness/NAME.json 'python scripts/x.py "$(python scripts/default_model.py)"'
+    python scripts/results_tables.py summaries results/training/NAME.json run-a.safetensors ... --command "hetero-spec train ..."
 """
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import struct
@@ -49,6 +51,11 @@ SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
 ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-draft.json"
 CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
 DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
+MADE = "make_draft/smollm2-q4_0-1h.report.json"  # make-draft --hours 1 on the default model
+TIME_TO_DRAFT = "make_draft/time-to-draft.json"  # scripts/project_make_draft.py on MADE
+MADE_BENCH = "bench/smollm2-q4_0-xeon-amx-vm-made-1h.json"
+STEP_DECAY_RUNS = "training/step-decay-seed1.json"  # trainer summaries of the four runs (``summaries`` below)
+STEP_DECAY = [("darter", "0.8"), ("darter", "0.5"), ("eagle3", "0.8"), ("eagle3", "0.5")]
 
 
 @dataclass(frozen=True)
@@ -302,8 +309,9 @@ def t_cross_thread() -> str:
     return "\n".join(lines) + "\n\n" + sources_footer(CROSS)
 
 
-def draft_training(name: str) -> dict[str, Any]:
-    """The training summary the trainer writes into the draft file's safetensors metadata."""
+def draft_training(name: str | Path) -> dict[str, Any]:
+    """The training summary the trainer writes into the draft file's safetensors metadata (a name under drafts/,
+    or a path)."""
     with open(ROOT / "drafts" / name, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         meta = json.loads(fh.read(n)).get("__metadata__", {})
@@ -335,6 +343,67 @@ def t_drafts() -> str:
             "teacher-forced against the target's own argmax, on that run's held-out sequences.")
 
 
+def step_decay_bench(variant: str, decay: str) -> str:
+    return f"bench/smollm2-q4_0-xeon-amx-vm-step-decay-{variant}-{decay}.json"
+
+
+def t_step_decay() -> str:
+    runs = load(STEP_DECAY_RUNS)["runs"]
+    lines = ["| loss | step weighting | steps (CPU-minutes) | held-out estimate, chain k=4 | "
+             + " | ".join(SETS4) + " | chain k=3 projected on `laptop-7b-q4_0` |",
+             "|---|---|---:|---:|" + "---:|" * (len(SETS4) + 1)]
+    for variant, decay in STEP_DECAY:
+        t = runs[f"{variant}-{decay}"]
+        rel = step_decay_bench(variant, decay)
+        rows = summary(rel)
+        proj = next(r["projected_speedup"] for r in load(rel)["projections"]
+                    if r["curve"] == "laptop-7b-q4_0" and r["method"] == "chain-k3" and r["dataset"] == "all")
+        loss = "DarterSD (darter)" if variant == "darter" else "EAGLE-3's (eagle3)"
+        lines.append(f"| {loss} | {decay}^j | {t['steps']} ({t['train_cpu_seconds'] / 60:.0f}) "
+                     f"| {t['eval']['accepted_length']:.2f} | "
+                     + " | ".join(f2(rows[("chain-k4", d)]["mean_accepted_length"]) for d in SETS4)
+                     + f" | {x(proj)} |")
+    first = step_decay_bench(*STEP_DECAY[0])
+    return ("\n".join(lines) + "\n\nSet columns: mean accepted length of a fixed chain of 4, as `run` drafts (int8, "
+            "context rows). Each run: one thread, seed 1, the same 25 CPU-minutes (`--budget-clock cpu`) on the "
+            "same corpus: the 865 conversations of the `make-draft --hours 1` run below.\n\n"
+            + bench_meta_line(first) + "\n\n" + sources_footer(STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)))
+
+
+def t_make_draft_time() -> str:
+    ttd, made = load(TIME_TO_DRAFT), summary(MADE_BENCH)
+    proj = next(r["projected_speedup"] for r in load(MADE_BENCH)["projections"]
+                if r["curve"] == "laptop-7b-q4_0" and r["method"] == "chain-k3" and r["dataset"] == "all")
+    big = ttd["seven_b"]
+    mins = lambda v: f"{v / 60:.1f} min"  # noqa: E731
+    hours = lambda v: f"{v / 3600:.1f} h"  # noqa: E731
+    taus = lambda xs: " / ".join(f2(v) for v in xs)  # noqa: E731
+    lines = ["| target | corpus | training | held-out check | τ at chain k=1..4, measured (estimated) "
+             "| chain k=3 here: τ, speed | chain k=3 projected on `laptop-7b-q4_0` |", "|---|---:|---:|---:|---|---|---:|"]
+    for m in ttd["measured"]:
+        rep = load(m["report"].removeprefix("results/"))
+        name = (f"SmolLM2-135M Q4_0" if m["report"].endswith(MADE) else
+                f"tiny llama, random weights ({m['target_params'] / 1e6:.1f} M, width {m['n_embd']})")
+        here = (f"{f2(made[('chain-k3', 'all')]['mean_accepted_length'])}, {x(made[('chain-k3', 'all')]['speedup'])}"
+                if m["report"].endswith(MADE) else "-")
+        lines.append(f"| {name}, `--hours {rep['hours']:g}` (measured) | {mins(m['spent_s']['corpus'])} "
+                     f"| {mins(m['spent_s']['train'])} | {mins(m['spent_s']['check'])} "
+                     f"| {taus(m['measured_tau_per_step'])} ({taus(m['estimated_tau_per_step'])}) | {here} "
+                     f"| {x(proj) if m['report'].endswith(MADE) else '-'} |")
+    base = next(m for m in ttd["measured"] if m["report"] == big["from"])
+    lines.append(f"| 7B (LLaMA-2-7B class), SmolLM2's corpus and training tokens, the same 2 vCPUs (projected) "
+                 f"| {hours(big['spent_s']['corpus'])} | {hours(big['spent_s']['train'])} "
+                 f"| {hours(big['spent_s']['check'])} | not projected | - | - |")
+    return ("\n".join(lines) + "\n\nThe 7B row scales each SmolLM2 stage by work per token: the corpus and the "
+            f"check by the targets' parameters ({base['target_params'] / 1e6:.0f} M against "
+            f"{big['target_params'] / 1e9:.2f} B: {big['ratio']['corpus']:.0f}x), training by the weights a "
+            f"token meets in the draft ({base['draft_weights_per_token'] / 1e6:.1f} M against "
+            f"{big['draft_weights_per_token'] / 1e6:.0f} M: {big['ratio']['train']:.0f}x).\n\n"
+            + bench_meta_line(MADE_BENCH) + "\n\n" + sources_footer(*(m["report"].removeprefix("results/")
+                                                                        for m in ttd["measured"]),
+                                                                      TIME_TO_DRAFT, MADE_BENCH))
+
+
 def t_recorded(rel: str) -> str:
     d = load(rel)
     return "```text\n" + d["output"].rstrip() + "\n```\n\n" + sources_footer(rel)
@@ -352,6 +421,8 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "server-engine": (t_server_engine, [ENGINE]),
     "cross-thread": (t_cross_thread, [CROSS]),
     "drafts": (t_drafts, [f"../drafts/{n}" for n in DRAFTS]),
+    "step-decay": (t_step_decay, [STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)]),
+    "make-draft-time": (t_make_draft_time, [MADE, "make_draft/tiny-llama-q8_0.report.json", TIME_TO_DRAFT, MADE_BENCH]),
 }
 TABLES["suffix-overhead"] = ((lambda: t_recorded("suffix/overhead-per-round.json")), ["suffix/overhead-per-round.json"])
 for _p in sorted((RESULTS / "exactness").glob("*.json")):
@@ -478,8 +549,6 @@ def record(out: Path, command: str) -> None:
     The command is stored as written, so write it as a reader would type it
     (``"$(python scripts/default_model.py)"``, not the path that expands to).
     """
-    import os
-
     proc = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise click.ClickException(f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
@@ -488,6 +557,25 @@ def record(out: Path, command: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     click.echo(proc.stdout, nl=False)
+
+
+@cli.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("drafts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--command", "command", required=True, help="the command that trained the drafts (with NAME for each)")
+def summaries(out: Path, drafts: tuple[Path, ...], command: str) -> None:
+    """Keep the training summaries of draft files too large to ship (their ``hetero_spec.training`` metadata)
+    as JSON at OUT, keyed by file stem."""
+    runs = {}
+    for path in drafts:
+        try:
+            runs[path.stem] = draft_training(path.resolve())["training"]
+        except (KeyError, ValueError, struct.error) as e:
+            raise click.ClickException(f"{path}: no training summary in its metadata ({e})")
+    data = {"command": command, "cpu": f"{cpu_name()}, {os.cpu_count()} CPUs", "runs": runs}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    click.echo(f"wrote {out}: {', '.join(runs)}")
 
 
 if __name__ == "__main__":

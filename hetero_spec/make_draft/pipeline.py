@@ -159,6 +159,7 @@ def feature_dirs(paths: Paths, state: State) -> list[Path]:
 def train_stage(plan: Plan, paths: Paths, state: State, rank: int, progress: bool = True) -> dict:
     """The shipped darter's recipe (``plan.train``) on every corpus part, for the training budget;
     resumes from ``draft.train/checkpoint.pt``.  Under torchrun every rank runs this (DDP)."""
+    from ..train.losses import LossWeights
     from ..train.loop import TrainConfig, train
     from ..train_cli import _target_parts
 
@@ -168,7 +169,10 @@ def train_stage(plan: Plan, paths: Paths, state: State, rank: int, progress: boo
             say(f"training: done ({st['summary']['steps']} steps), skipped")
         return st["summary"]
     dirs = feature_dirs(paths, state)
-    cfg = TrainConfig(**{**plan.train, "taps": tuple(plan.train["taps"])}, device=plan.device)
+    options = {**plan.train, "taps": tuple(plan.train["taps"])}
+    # the loss weighting lives in the plan since step_decay 0.5 became the recipe's; older plans trained with 0.8
+    loss = LossWeights(step_decay=options.pop("step_decay", LossWeights.step_decay))
+    cfg = TrainConfig(**options, loss=loss, device=plan.device)
     if rank == 0:
         say(f"training: {cfg.variant}, {len(dirs)} corpus parts, {cfg.time_budget_s / 60:.1f} min on "
             f"{plan.device}" + (f", taps {','.join(map(str, cfg.taps))}" if cfg.taps else ", no taps"))

@@ -60,6 +60,11 @@ def test_the_draft_runs_exactly_and_the_report_and_plot_exist(made, tiny_model, 
     draft = load_draft(out)
     assert draft.cfg.taps == (1, 2) and draft.cfg.gate == "darter" and draft.cfg.n_blocks == 1
     assert draft.cfg.n_embd == 256 and draft.cfg.n_vocab == 512
+    # trained with the recipe's step weighting (0.5^j, not train's default 0.8^j), as the file and report record
+    with open(out, "rb") as fh:
+        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))["__metadata__"]
+    assert json.loads(header["hetero_spec.training"])["config"]["loss"]["step_decay"] == 0.5
+    assert report["recipe"]["step_decay"] == 0.5
     assert report["corpus"]["parts"] >= 1 and 0 < report["corpus"]["conversations"] <= 48
     assert report["training"]["steps"] >= 1
     assert len(report["estimated_tau_per_step"]) == 4 and all(t >= 1.0 for t in report["estimated_tau_per_step"])
