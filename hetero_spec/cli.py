@@ -151,6 +151,13 @@ def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | Non
 AUTO_PARALLEL = 4  # llama-server's default slots (-np auto)
 
 
+def serve_slots(parallel: int, tree: bool) -> int:
+    """The slots ``serve`` runs: ``--parallel``, or with auto (0) llama-server's 4, draft model or not, since the
+    batched engine drafts for every slot (one client measured no slower than ``run``, docs/server.md); a
+    ``--tree`` asks for the one-sequence path (trees draft for one sequence at a time), so 1."""
+    return parallel or (1 if tree else AUTO_PARALLEL)
+
+
 def _parse_parallel(ctx, param, value) -> int:
     """``--parallel``: ``auto`` (0 here, settled once the draft is known) or 1..32."""
     if value == "auto":
@@ -199,7 +206,7 @@ def _parse_parallel(ctx, param, value) -> int:
 @click.option("--parallel", default="auto", show_default=True, callback=_parse_parallel,
               help="slots: requests decoded together in one llama_decode per step, --ctx cells each (> 1: the "
                    "batched engine: copy drafts, and a DRAFT's chains up to --draft-len deep, priced on the batch; "
-                   "no trees); auto: 4 without a draft model (llama-server's default), 1 with one")
+                   "no trees); auto: 4 (llama-server's default), 1 with --tree")
 def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
           ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
           model_alias, parallel) -> None:
@@ -213,7 +220,7 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
                           kv_type=kv_type, draft_len=0 if no_draft else parse_draft_len(draft_len),
                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None,
                           draft_p_min=draft_p_min, lookup=lookup,
-                          parallel=parallel or (1 if draft is not None and not no_draft else AUTO_PARALLEL))
+                          parallel=serve_slots(parallel, tree))
     server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
                           api_key=api_key or None, max_queue=max_queue, queue_timeout=queue_timeout,
                           max_body_bytes=max_body)

@@ -435,7 +435,7 @@ def test_queue_bound_429_and_queue_timeout_503(tight_server):
 def test_server_with_draft_equals_plain(model_path, client, model_id):
     plain = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": PROMPT}],
                                            max_tokens=16, temperature=0)
-    srv = ServerProcess(model_path, DRAFT, "-k", 3, "--draft-device", "cpu", "-t", 1, "--ctx", CTX)
+    srv = ServerProcess(model_path, DRAFT, "-k", 3, "--draft-device", "cpu", "--parallel", 1, "-t", 1, "--ctx", CTX)
     try:
         spec = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=CALL_S)
         out = spec.chat.completions.create(model=model_id, messages=[{"role": "user", "content": PROMPT}],
@@ -689,13 +689,14 @@ def test_parallel_sixty_four_clients_bounded_queue(slot_server, slot_http):
 
 
 def test_parallel_with_a_draft_model_stays_exact(model_path, http):
-    """``serve MODEL DRAFT --parallel 3``: the draft model drafts for every slot (it says so at start), and
-    concurrent greedy answers equal the one-sequence server's."""
+    """``serve MODEL DRAFT``: 4 slots by default with a draft model too, the draft model drafting for every slot
+    (it says so at start), and concurrent greedy answers equal the one-sequence server's."""
     alone = [http.post("/v1/chat/completions", json=chat_body(p, max_tokens=32)).json() for p in PROMPTS]
-    srv = ServerProcess(model_path, DRAFT, "--parallel", 3, "-t", 1, "--ctx", CTX)
+    srv = ServerProcess(model_path, DRAFT, "-t", 1, "--ctx", CTX)
     try:
-        srv.wait_for_line(lambda line: "draft model" in line and "3 slots" in line, timeout=30)
+        srv.wait_for_line(lambda line: "draft model" in line and "4 slots" in line, timeout=30)
         with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
+            assert len(c.get("/health").json()["slots"]) == 4
             with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
                 got = list(pool.map(lambda p: c.post("/v1/chat/completions", json=chat_body(p, max_tokens=32)).json(),
                                     PROMPTS))

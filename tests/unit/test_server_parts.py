@@ -174,3 +174,13 @@ def test_response_shapes_carry_usage_and_speculation_stats():
     last = chat.chunk(None, fin=fin, include_usage=True)
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop" and last["usage"] is None
     assert chat.usage_chunk(fin)["choices"] == [] and chat.usage_chunk(fin)["usage"]["total_tokens"] == 9
+
+
+def test_serve_slots_auto_is_four_with_or_without_a_draft_and_one_with_a_tree():
+    """``--parallel auto``: llama-server's 4 slots (the batched engine drafts for each), except that a ``--tree``
+    asks for the one-sequence path, which alone drafts trees; a number is taken as given."""
+    from hetero_spec.cli import serve_slots
+
+    assert serve_slots(0, tree=False) == 4
+    assert serve_slots(0, tree=True) == 1
+    assert serve_slots(3, tree=False) == 3 and serve_slots(1, tree=True) == 1
