@@ -267,11 +267,13 @@ def t_server_slots() -> str:
     lines = ["| server | speculation | aggregate tokens/s | time to first token p50 / p95 | greedy texts equal to one "
              "sequence alone |", "|---|---|---:|---|---|"]
     one = d["load"]
-    lines.append(f"| hetero-spec, one sequence at a time | off | {one['aggregate_tps']:.1f} | "
+    lines.append(f"| hetero-spec, one sequence at a time | {'the draft model (`auto`)' if d['draft'] else 'off'} "
+                 f"| {one['aggregate_tps']:.1f} | "
                  f"{one['ttft_s']['p50']:.2f} s / {one['ttft_s']['p95']:.2f} s | (the reference) |")
     names = {"hetero-spec": f"hetero-spec `--parallel {b['parallel']}`", "llama-server": f"llama-server `-np {b['parallel']}`"}
     specs = {("hetero-spec", "on"): "copy drafts priced on the batch", ("llama-server", "off"): "off",
-             ("hetero-spec", "off"): "off (`--no-draft`)"}
+             ("hetero-spec", "off"): "off (`--no-draft`)",
+             ("hetero-spec", "draft"): "the draft model and copy drafts, priced on the batch"}
     for c in b["configs"]:
         spec = specs.get((c["server"], c["spec"]), f"`--spec-type {c['spec']}`")
         same = {True: "yes", False: "no", None: "-"}[c.get("texts_equal_one_sequence")]

@@ -232,7 +232,7 @@ def turns(http, conversations, max_tokens) -> dict:
             "cold_prefill_s": pct([c["server"]["prefill_s"] for c in cold])}
 
 
-SPEC_OFF, SPEC_ON = "off", "on"
+SPEC_OFF, SPEC_ON, SPEC_DRAFT = "off", "on", "draft"
 
 
 def llama_server_cmd(model: Path, threads: int, ctx: int, parallel: int, port: int, spec: list[str]) -> list[str]:
@@ -248,8 +248,9 @@ def llama_server_cmd(model: Path, threads: int, ctx: int, parallel: int, port: i
 
 
 def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, clients, per_client, max_tokens,
-                 repeats: int, reference: dict | None) -> dict:
-    """Part 2b: each pass runs every configuration once, in the same order; medians over the passes."""
+                 repeats: int, reference: dict | None, draft: Path | None = None) -> dict:
+    """Part 2b: each pass runs every configuration once, in the same order; medians over the passes.  With a
+    DRAFT, ours also runs with it (the draft model's chains beside the copies, all priced on the batch)."""
     import httpx
 
     from hetero_spec.bench.llama_server import LlamaServer, free_port
@@ -262,6 +263,8 @@ def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, cl
         ("llama-server", "ngram-simple"): ["--spec-type", "ngram-simple"],
         ("llama-server", "ngram-mod"): ["--spec-type", "ngram-mod"],
     }
+    if draft is not None:
+        configs[("hetero-spec", SPEC_DRAFT)] = [str(draft), "--draft-device", "cpu", *ours]
     runs: dict[tuple[str, str], list[dict]] = {key: [] for key in configs}
     for _ in range(repeats):
         for (server, spec), args in configs.items():
@@ -370,7 +373,7 @@ def server_load(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clie
             click.echo("batched: no load part in this run, so texts are not checked against one sequence", err=True)
         reference = result["load"]["texts"] if "load" in result else None
         result["batched"] = batched_load(model, threads, ctx, parallel, prompts, clients, per_client, load_tokens,
-                                         passes, reference)
+                                         passes, reference, draft)
     report(result)
     if out:
         out.write_text(json.dumps(result, indent=2))
