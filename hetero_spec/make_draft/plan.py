@@ -97,7 +97,7 @@ def shipped_recipe(taps: tuple[int, ...], gpu: bool, train_s: float, threads: in
     """The shipped darter's training recipe (scripts/recipes/smollm2_drafts.sh, drafts/README.md):
     DGF + DarterSD gate over EAGLE-3 taps, one block, 3 unrolled steps, an 8,192-row head, loops
     trimmed to 32 scored tokens, unrolled step j's loss weighted 0.5^j (``train``'s default is 0.8^j;
-    0.5 matched or beat it with both losses and two seeds, docs/make_draft.md "Step weighting").  On a
+    0.5 led it with both losses over two seeds, docs/make_draft.md "Step weighting").  On a
     CPU the unrolled steps continue a third of the chain starts (what makes unrolling affordable there);
     a GPU continues all of them."""
     return dict(variant="darter", taps=list(taps), n_blocks=1, reduced_vocab=8192, epochs=1000, max_steps=0,
