@@ -14,8 +14,9 @@ a near-tie; a draft only proposes, so that changes acceptance at most, never the
 
 Real rows arrive after every decode: the target's features of each kept row with the token picked
 after it (a prompt row's next prompt token, a generated row's answer token).  They queue per slot and
-are read the next time that slot drafts, so a step that does not draft costs nothing here.  Positions whose cells were reused from an earlier request have no features; the draft skips
-them (``DraftRunner.skip``), as ``HeteroSpec`` does for a reused prefix.
+are read the next time that slot drafts, so a step that does not draft costs nothing here.  Positions
+whose cells were reused from an earlier request have no features; the draft skips them
+(``DraftRunner.skip``), as ``HeteroSpec`` does for a reused prefix.
 """
 from __future__ import annotations
 
@@ -156,12 +157,8 @@ class SlotDrafts:
         depth is one forward of one row per slot; also returns the seconds the depths took."""
         r = self.runner
         for seq in seqs:
-            s = self.slots[seq]
-            if s.queued > TOGETHER_ROWS:  # the backlog alone; its newest row joins the others
-                rows, tokens = self._take(s)
-                self._use(s)
-                r.prefill(rows[:-1], tokens[:-1])
-                s.feats, s.tokens = [rows[-1:]], tokens[-1:]
+            if self.slots[seq].queued > TOGETHER_ROWS:  # the backlog alone; its newest row joins the others
+                self._read(self.slots[seq], keep=1)
         taken = [self._take(self.slots[seq]) for seq in seqs]
         lengths = [len(tokens) for _, tokens in taken]
         M = max(lengths)
@@ -260,13 +257,17 @@ class SlotDrafts:
         s.feats, s.tokens = [], []
         return feats, tokens
 
-    def _read(self, s: SlotDraft) -> None:
-        """Read the queued rows without proposing (a slot that has not drafted for a while)."""
+    def _read(self, s: SlotDraft, keep: int = 0) -> None:
+        """Read the queued rows without proposing (a slot that has not drafted for a while), all but the ``keep``
+        newest, which stay queued."""
         if s.cache.n + s.queued > self.runner.max_positions:
             s.active = False
             return
         self._use(s)
-        self.runner.prefill(*self._take(s))
+        rows, tokens = self._take(s)
+        self.runner.prefill(rows[:len(tokens) - keep], tokens[:len(tokens) - keep])
+        if keep:
+            s.feats, s.tokens = [rows[-keep:]], tokens[-keep:]
 
     def _use(self, s: SlotDraft) -> None:
         """Point the runner at slot ``s``'s cache and context rows."""

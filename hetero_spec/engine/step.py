@@ -212,7 +212,8 @@ class Engine:
                        if j is not None and (kind != "prompt" or row.pos == len(req.prompt) - 1)]
             if picking:
                 accepted += self._accept(slot, [logits[j] for _, j in picking])
-            if req.keep_features or (self.draft is not None and self.draft.slots[slot.seq].active and not req.done):
+            drafting = self.draft is not None and self.draft.slots[slot.seq].active and not req.done
+            if req.keep_features or drafting:
                 picked = req.out[before:]
                 real = [(i, req.prompt[row.pos + 1]) for i, row in prompt if row.pos + 1 < len(req.prompt)]
                 real += [(i, t) for (i, _), t in zip(picking, picked)]  # each kept row with the token picked after it
@@ -221,7 +222,7 @@ class Engine:
                     rows = feats[[i for i, _ in real]]
                     if req.keep_features:
                         req.features.append(rows)
-                    if self.draft is not None and not req.done:
+                    if drafting:
                         self.draft.feed(slot.seq, rows, [t for _, t in real])
             if req.done:
                 finished.append(self._release(slot))
@@ -299,9 +300,10 @@ class Engine:
     def _draft_depth(self, slots: list[Slot]) -> tuple[int, bool]:
         """How deep the draft model drafts for ``slots`` this step, and whether it is a probe: of
         0..``draft_depth``, the depth whose step (reading the kept rows and the draft's depths, then the decode
-        with every such slot that deep) gives the most expected tokens per millisecond; the full depth when unpriced, and, as a probe
-        that keeps the acceptance current, after ``PROBE_EVERY`` steps without drafting (twice as many after
-        each probe that did not make it pay, up to ``PROBE_MAX``: a probe reads every row queued since)."""
+        with every such slot that deep) gives the most expected tokens per millisecond; the full depth when
+        unpriced, and, as a probe that keeps the acceptance current, after ``PROBE_EVERY`` steps without
+        drafting (twice as many after each probe that did not make it pay, up to ``PROBE_MAX``: a probe reads
+        every row queued since)."""
         depth = self.drafting.draft_depth
         if not self.drafting.priced:
             return depth, False
