@@ -30,19 +30,17 @@ SEVEN_B = dict(n_embd=4096, n_vocab=32000, n_layer=32)  # LLaMA-2-7B class, as t
 
 
 def gguf_params(path: Path) -> tuple[int, int, int, int]:
-    """(parameters, n_embd, n_vocab, n_layer) of a GGUF, from its tensor shapes and metadata."""
-    from gguf import GGUFReader
+    """(parameters, n_embd, n_vocab, n_layer) of a GGUF, as llama.cpp loads it (the weights memory-mapped, not read)."""
+    import llama_cpp as C
 
-    r = GGUFReader(str(path))
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    from hetero_spec.target._ffi import ModelHandle
 
-    def value(key: str) -> int:
-        f = r.fields[key]
-        return int(f.parts[f.data[0]][0])
-
-    n_vocab = len(r.fields["tokenizer.ggml.tokens"].data)
-    return (sum(int(t.n_elements) for t in r.tensors), value(f"{arch}.embedding_length"), n_vocab,
-            value(f"{arch}.block_count"))
+    model = ModelHandle(Path(path))
+    try:
+        return (int(C.llama_model_n_params(model.ptr)), C.llama_model_n_embd(model.ptr),
+                C.llama_vocab_n_tokens(model.vocab), C.llama_model_n_layer(model.ptr))
+    finally:
+        model.close()
 
 
 def draft_weights_per_token(n_embd: int, n_vocab: int, n_layer: int, recipe: dict) -> int:

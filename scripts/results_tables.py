@@ -345,6 +345,12 @@ def t_drafts() -> str:
             "teacher-forced against the target's own argmax, on that run's held-out sequences.")
 
 
+def laptop_chain_k3(rel: str) -> float:
+    """A bench file's projected chain-k3 speedup over all sets on the ``laptop-7b-q4_0`` curve."""
+    return next(r["projected_speedup"] for r in load(rel)["projections"]
+                if r["curve"] == "laptop-7b-q4_0" and r["method"] == "chain-k3" and r["dataset"] == "all")
+
+
 def step_decay_bench(variant: str, decay: str) -> str:
     return f"bench/smollm2-q4_0-xeon-amx-vm-step-decay-{variant}-{decay}.json"
 
@@ -358,13 +364,11 @@ def t_step_decay() -> str:
         t = runs[f"{variant}-{decay}"]
         rel = step_decay_bench(variant, decay)
         rows = summary(rel)
-        proj = next(r["projected_speedup"] for r in load(rel)["projections"]
-                    if r["curve"] == "laptop-7b-q4_0" and r["method"] == "chain-k3" and r["dataset"] == "all")
         loss = "DarterSD (darter)" if variant == "darter" else "EAGLE-3's (eagle3)"
         lines.append(f"| {loss} | {decay}^j | {t['steps']} ({t['train_cpu_seconds'] / 60:.0f}) "
                      f"| {t['eval']['accepted_length']:.2f} | "
                      + " | ".join(f2(rows[("chain-k4", d)]["mean_accepted_length"]) for d in SETS4)
-                     + f" | {x(proj)} |")
+                     + f" | {x(laptop_chain_k3(rel))} |")
     first = step_decay_bench(*STEP_DECAY[0])
     return ("\n".join(lines) + "\n\nSet columns: mean accepted length of a fixed chain of 4, as `run` drafts (int8, "
             "context rows). Each run: one thread, seed 1, the same 25 CPU-minutes (`--budget-clock cpu`) on the "
@@ -373,9 +377,7 @@ def t_step_decay() -> str:
 
 
 def t_make_draft_time() -> str:
-    ttd, made = load(TIME_TO_DRAFT), summary(MADE_BENCH)
-    proj = next(r["projected_speedup"] for r in load(MADE_BENCH)["projections"]
-                if r["curve"] == "laptop-7b-q4_0" and r["method"] == "chain-k3" and r["dataset"] == "all")
+    ttd, made = load(TIME_TO_DRAFT), summary(MADE_BENCH)[("chain-k3", "all")]
     big = ttd["seven_b"]
     mins = lambda v: f"{v / 60:.1f} min"  # noqa: E731
     hours = lambda v: f"{v / 3600:.1f} h"  # noqa: E731
@@ -384,14 +386,14 @@ def t_make_draft_time() -> str:
              "| chain k=3 here: τ, speed | chain k=3 projected on `laptop-7b-q4_0` |", "|---|---:|---:|---:|---|---|---:|"]
     for m in ttd["measured"]:
         rep = load(m["report"].removeprefix("results/"))
-        name = (f"SmolLM2-135M Q4_0" if m["report"].endswith(MADE) else
-                f"tiny llama, random weights ({m['target_params'] / 1e6:.1f} M, width {m['n_embd']})")
-        here = (f"{f2(made[('chain-k3', 'all')]['mean_accepted_length'])}, {x(made[('chain-k3', 'all')]['speedup'])}"
-                if m["report"].endswith(MADE) else "-")
+        if m["report"].endswith(MADE):  # the run benched on its own: here, and replayed on the laptop's curve
+            name, here, laptop = ("SmolLM2-135M Q4_0", f"{f2(made['mean_accepted_length'])}, {x(made['speedup'])}",
+                                  x(laptop_chain_k3(MADE_BENCH)))
+        else:
+            name, here, laptop = f"tiny llama, random weights ({m['target_params'] / 1e6:.1f} M, width {m['n_embd']})", "-", "-"
         lines.append(f"| {name}, `--hours {rep['hours']:g}` (measured) | {mins(m['spent_s']['corpus'])} "
                      f"| {mins(m['spent_s']['train'])} | {mins(m['spent_s']['check'])} "
-                     f"| {taus(m['measured_tau_per_step'])} ({taus(m['estimated_tau_per_step'])}) | {here} "
-                     f"| {x(proj) if m['report'].endswith(MADE) else '-'} |")
+                     f"| {taus(m['measured_tau_per_step'])} ({taus(m['estimated_tau_per_step'])}) | {here} | {laptop} |")
     base = next(m for m in ttd["measured"] if m["report"] == big["from"])
     lines.append(f"| 7B (LLaMA-2-7B class), SmolLM2's corpus and training tokens, the same 2 vCPUs (projected) "
                  f"| {hours(big['spent_s']['corpus'])} | {hours(big['spent_s']['train'])} "
