@@ -86,6 +86,12 @@ def enable_taps(model: ModelHandle, ctx_ptr, taps: tuple[int, ...]):
     return api
 
 
+def read_taps(api, ctx_ptr, taps: tuple[int, ...], n: int, n_embd: int) -> np.ndarray:
+    """The last decode's tapped block inputs, every row in batch order, concatenated per row:
+    ``[n, len(taps) * n_embd]`` float32 (a copy)."""
+    return np.concatenate([np.ctypeslib.as_array(api.get(ctx_ptr, i), shape=(n, n_embd)) for i in taps], axis=1)
+
+
 def model_fingerprint(model: ModelHandle, architecture: str, n_embd: int, n_vocab: int) -> TargetFingerprint:
     """What a draft file must match: the architecture, the width, and a hash of every token's text."""
     h = hashlib.sha256()
@@ -426,8 +432,7 @@ class LlamaTarget(Vocabulary, Owners):
         (a view), or with taps the concatenated block inputs ``[n, len(taps) * n_embd]`` (a copy)."""
         if self._taps is None:
             return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd))
-        return np.concatenate([np.ctypeslib.as_array(self._taps.get(self._ctx.ptr, i), shape=(n, self.n_embd))
-                               for i in self.options.taps], axis=1)
+        return read_taps(self._taps, self._ctx.ptr, self.options.taps, n, self.n_embd)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

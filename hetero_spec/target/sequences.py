@@ -35,7 +35,8 @@ from ..config import DEFAULT_KV_TYPE, TargetFingerprint
 from ..errors import TargetError
 from . import _ffi
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
-from .llama_target import BATCH_INVARIANT_ROWS, default_threads, enable_taps, kv_type_id, model_fingerprint
+from .llama_target import (BATCH_INVARIANT_ROWS, default_threads, enable_taps, kv_type_id, model_fingerprint,
+                           read_taps)
 from .vocabulary import Vocabulary
 
 
@@ -126,12 +127,12 @@ class SequenceTarget(Vocabulary, Owners):
         n = self._n_rows
         if self._taps is None:
             return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd)).copy()
-        return np.concatenate([np.ctypeslib.as_array(self._taps.get(self._ctx.ptr, i), shape=(n, self.n_embd))
-                               for i in self.options.taps], axis=1)
+        return read_taps(self._taps, self._ctx.ptr, self.options.taps, n, self.n_embd)
 
     def decode(self, rows: list[Row]) -> np.ndarray:
         """One ``llama_decode`` of ``rows`` (at most ``batch_rows``; llama.cpp cuts it into micro-batches of at
-        most ``max_rows``); the logits of the rows marked ``output``, in row order: ``[n_output, n_vocab] float32``, a view valid until the next decode (a copy with final-norm features)."""
+        most ``max_rows``); the logits of the rows marked ``output``, in row order: ``[n_output, n_vocab]
+        float32``, a view valid until the next decode (a copy with final-norm features)."""
         n = len(rows)
         b = self._batch
         if not 0 < n <= b.capacity:
