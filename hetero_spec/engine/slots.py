@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..config import SamplingConfig
-from ..spec.suffix import SuffixCache, SuffixRequest
+from ..spec.suffix import SuffixCache, SuffixRequest, prompt_key
 
 
 @dataclass(eq=False)
@@ -91,7 +91,8 @@ class Slot:
         request.seq = self.seq
         self.cached = []
         self.rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
-        self.suffix = SuffixRequest(request.prompt, cache) if cache is not None and request.sampling.greedy else None
+        self.suffix = (SuffixRequest(request.prompt, cache, key=prompt_key(request.prompt))
+                       if cache is not None and request.sampling.greedy else None)
 
     def release(self) -> Request:
         """Free the slot; its cells keep the request's text (``cached``) for a later prompt that starts alike."""

@@ -48,12 +48,15 @@ class SuffixConfig:
     longest: int = 32  # match lengths are counted back up to this many tokens
     occurrences: int = 16  # most recent occurrences of the last n-gram a query looks at, per source
     cache_tokens: int = 1 << 18  # past-output tokens kept (FIFO); 0: no cache
+    # prompt tokens cached before each output, so that a request repeating a past prompt's end matches into
+    # that answer from its first token on (0: outputs alone)
+    prompt_context: int = 32
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_nodes < 1 or self.key < 1 or self.occurrences < 1:
             raise ValueError("max_depth, max_nodes, key and occurrences must be at least 1")
-        if not 0.0 <= self.min_prob <= 1.0 or self.depth_factor <= 0 or self.cache_tokens < 0:
-            raise ValueError("need 0 <= min_prob <= 1, depth_factor > 0, cache_tokens >= 0")
+        if not 0.0 <= self.min_prob <= 1.0 or self.depth_factor <= 0 or self.cache_tokens < 0 or self.prompt_context < 0:
+            raise ValueError("need 0 <= min_prob <= 1, depth_factor > 0, cache_tokens >= 0, prompt_context >= 0")
         if self.longest < self.key:
             raise ValueError(f"longest ({self.longest}) must be at least key ({self.key})")
 
@@ -276,9 +279,15 @@ class SuffixRequest:
         self.own.extend(tokens)
 
     def finish(self) -> None:
-        """Hand the output to the shared cache (under ``key``) for later requests."""
+        """Hand the output, after the last ``prompt_context`` tokens of its prompt, to the shared cache (under
+        ``key``) for later requests.
+
+        WHY the prompt's end: a cached output alone is found only once a later answer has repeated enough of
+        it to match (8 tokens before the engine trusts a copy), so a repeated request, a retry or the same
+        question from another user, decodes its first tokens one by one; with the prompt's end before it, the
+        repeated prompt itself is the match and the answer is copied from its first token."""
         if self.cache is not None and self.config.cache_tokens:
-            self.cache.add(self.key, self.output)
+            self.cache.add(self.key, self.own.tokens[max(0, self.n_prompt - self.config.prompt_context):])
 
     def match(self) -> list[tuple[int, int, _Index]]:
         """The occurrences behind the longest suffix match, as (length, position, index); [] without one."""

@@ -209,6 +209,27 @@ def test_second_turn_reuses_its_slot_cells_exactly(model_path, single, prompts):
     assert second.out == out and all(np.array_equal(a, b) for a, b in zip(second.logits, logits))
 
 
+def test_a_repeated_prompt_copies_the_past_answer_from_its_first_step(model_path, prompts, reference):
+    """The past answer is cached after its prompt's end (``SuffixConfig.prompt_context``), so the same prompt
+    again matches at once: every step of the repeat verifies copied rows and accepts them all, where a cache of
+    answers alone would give nothing to copy until the repeat's own answer had matched 8 tokens of it."""
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    out, _ = reference[2]
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=2, drafting=Drafting(lookup_depth=4, priced=False))
+        first = Request(prompts[2], MAX_NEW[2])
+        engine.submit(first)
+        for _ in engine.run():
+            pass
+        repeat = Request(prompts[2], MAX_NEW[2])
+        engine.submit(repeat)
+        records = [rec for rec, _ in engine.run() if rec]
+    assert first.out == repeat.out == out
+    generating = [rec for rec in records if not rec.prompt_rows]  # after the step that read the prompt
+    assert generating and all(rec.draft_rows for rec in generating)
+    assert repeat.accepted == repeat.drafted > 0 and len(generating) <= -(-(len(out) - 1) // 5)
+
+
 def test_draft_rows_priced_on_the_batch(model_path, prompts):
     """The probe measures a decode at several fills; with rows priced nearly free the repeating prompts draft,
     and with every extra row as dear as a decode of its own nothing drafts."""

@@ -74,8 +74,26 @@ def test_past_outputs_are_matched_but_never_across_their_boundaries():
     assert not SuffixRequest([1, 2, 9, 0, 1, 2], cache).propose().cached  # the request's own text matches too
     assert SuffixRequest([0, 8, 1], cache).propose() is None  # "8 1" spans two outputs: no match
     req.extend([7, 8])
-    req.finish()  # key None: a new entry
-    assert len(cache) == 3 and cache.outputs()[-1][1] == [7, 8]
+    req.finish()  # key None: a new entry, the output after the prompt's last prompt_context tokens
+    assert len(cache) == 3 and cache.outputs()[-1][1] == [0, 0, 5, 6, 7, 8]
+    short = SuffixCache(SuffixConfig(prompt_context=1))
+    done = SuffixRequest([0, 0, 5, 6], short)
+    done.extend([7, 8])
+    done.finish()
+    assert short.outputs()[-1][1] == [6, 7, 8]
+
+
+def test_a_repeated_prompt_copies_the_past_answer_from_its_first_token():
+    prompt, answer = list(range(100, 140)), [7, 3, 9, 4, 1, 8, 2, 6, 5, 0]
+    for context, want in ((32, answer[:8]), (0, None)):  # 0: the output alone, which nothing matches yet
+        cache = SuffixCache(SuffixConfig(prompt_context=context))
+        first = SuffixRequest(prompt, cache)
+        first.extend(answer)
+        first.finish()
+        prop = SuffixRequest(prompt, cache).propose(tree=False)
+        assert (prop.chain if prop else None) == want
+        if prop is not None:
+            assert prop.cached and prop.match == 32  # the prompt's end, counted back up to ``longest``
 
 
 def test_the_cache_is_bounded_in_tokens_and_evicts_the_oldest_first():
