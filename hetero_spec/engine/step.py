@@ -250,6 +250,7 @@ class Engine:
         out: dict[Slot, Proposal] = {}
         if d.lookup_depth <= 0:
             return out
+        peers = [s.suffix for s in self.scheduler.active if s.suffix is not None]  # the texts of the requests in flight
         for slot in self.scheduler.generating:
             if slot.suffix is None:
                 continue
@@ -258,7 +259,7 @@ class Engine:
                        self.target.seq_ctx - 1 - (slot.n_past + 1))
             if room <= 0:
                 continue
-            prop = slot.suffix.propose(tree=False, max_depth=room)
+            prop = slot.suffix.propose(tree=False, max_depth=room, peers=peers)
             tokens = prop.chain[:room] if prop is not None else []
             match = prop.match if prop is not None else 0
             sure = len(tokens) if match >= d.lookup_min_match else 0

@@ -17,9 +17,10 @@ answered from an n-gram position index:
   probable nodes above ``min_prob`` (a parent is always at least as probable as its child, so they form a tree);
 * the depth is capped by ``depth_factor`` times the match length (SuffixDecoding's ``max_spec_factor``).
 
-Sources: the request's own text (prompt and output, ``SuffixRequest``) and a bounded FIFO cache of past
+Sources: the request's own text (prompt and output, ``SuffixRequest``), a bounded FIFO cache of past
 outputs in this process (``SuffixCache``: the server's other requests, earlier turns, earlier calls),
-which a file can carry across runs (``SuffixCache.save``/``load``).  Prompt lookup's proposal (the latest
+which a file can carry across runs (``SuffixCache.save``/``load``), and, in the batched engine, the texts
+of the requests being served beside it (``propose(peers=...)``).  Prompt lookup's proposal (the latest
 occurrence of the longest <= 4-gram match, ``spec/lookup.py``) is the one-occurrence case of the first.
 """
 from __future__ import annotations
@@ -289,24 +290,32 @@ class SuffixRequest:
         if self.cache is not None and self.config.cache_tokens:
             self.cache.add(self.key, self.own.tokens[max(0, self.n_prompt - self.config.prompt_context):])
 
-    def match(self) -> list[tuple[int, int, _Index]]:
-        """The occurrences behind the longest suffix match, as (length, position, index); [] without one."""
+    def match(self, peers: Iterable["SuffixRequest"] = ()) -> list[tuple[int, int, _Index]]:
+        """The occurrences behind the longest suffix match, as (length, position, index); [] without one.
+        ``peers``: other requests in flight, whose prompts and outputs so far are searched too."""
         cfg, text = self.config, self.own.tokens
         if len(text) < cfg.key:
             return []
         gram = tuple(text[-cfg.key :])
         found = [(m, p, self.own) for m, p in self.own.matches(text, gram, cfg.occurrences, cfg.longest, len(text))]
-        if self.cache is not None and self.cache.entries:
-            idx = self.cache.index
+        sources = [self.cache.index] if self.cache is not None and self.cache.entries else []
+        sources += [peer.own for peer in peers if peer is not self]
+        for idx in sources:
             found += [(m, p, idx) for m, p in idx.matches(text, gram, cfg.occurrences, cfg.longest, len(idx.tokens))]
         if not found:
             return []
         best = max(m for m, _, _ in found)
         return [f for f in found if f[0] == best]
 
-    def propose(self, tree: bool = True, max_depth: int | None = None) -> SuffixProposal | None:
-        """The draft tree (``tree``) or chain of the most probable continuations, or None without a match."""
-        found = self.match()
+    def propose(self, tree: bool = True, max_depth: int | None = None,
+                peers: Iterable["SuffixRequest"] = ()) -> SuffixProposal | None:
+        """The draft tree (``tree``) or chain of the most probable continuations, or None without a match.
+
+        ``peers``: the requests served beside this one (the batched engine's other slots).  WHY: requests that
+        run together often write the same text (the same question from two clients, agents filling one
+        JSON template), and a peer's output joins the cache only when it ends; a peer that is ahead lends
+        its continuation now, as llama.cpp's ``ngram-mod`` shares one n-gram table across server slots."""
+        found = self.match(peers)
         if not found:
             return None
         cfg = self.config

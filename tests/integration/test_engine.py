@@ -230,6 +230,29 @@ def test_a_repeated_prompt_copies_the_past_answer_from_its_first_step(model_path
     assert repeat.accepted == repeat.drafted > 0 and len(generating) <= -(-(len(out) - 1) // 5)
 
 
+def test_a_request_in_flight_lends_its_answer_to_a_repeat_behind_it(model_path, prompts, reference):
+    """Two slots, the same prompt: the repeat arrives while the first is 10 tokens ahead, and copies from the
+    first's answer so far (``SuffixRequest.propose(peers=...)``) before that answer is finished or cached."""
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    out, _ = reference[2]
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=2, drafting=Drafting(lookup_depth=4, priced=False))
+        first = Request(prompts[2], MAX_NEW[2])
+        engine.submit(first)
+        while len(first.out) < 10:
+            engine.step()
+        repeat = Request(prompts[2], 6)
+        engine.submit(repeat)
+        while not repeat.out:  # its prompt read: the first answer token
+            engine.step()
+        assert len(engine.suffix_cache) == 0 and repeat.drafted == 0  # nothing to copy from but the peer
+        engine.step()
+        assert not first.done and repeat.accepted == repeat.drafted == 4
+        for _ in engine.run():
+            pass
+    assert first.out == out and repeat.out == out[:6]
+
+
 def test_draft_rows_priced_on_the_batch(model_path, prompts):
     """The probe measures a decode at several fills; with rows priced nearly free the repeating prompts draft,
     and with every extra row as dear as a decode of its own nothing drafts."""

@@ -96,6 +96,18 @@ def test_a_repeated_prompt_copies_the_past_answer_from_its_first_token():
             assert prop.cached and prop.match == 32  # the prompt's end, counted back up to ``longest``
 
 
+def test_a_request_in_flight_lends_its_output_to_a_peer_behind_it():
+    prompt = list(range(100, 140))
+    ahead, behind = SuffixRequest(prompt), SuffixRequest(prompt)
+    ahead.extend([7, 3, 9, 4, 1, 8, 2, 6, 5, 0])
+    assert behind.propose(tree=False) is None  # nothing in its own text or a cache
+    prop = behind.propose(tree=False, peers=[ahead, behind])
+    assert prop.chain == [7, 3, 9, 4, 1, 8, 2, 6] and prop.cached and prop.match == 32
+    behind.extend([7, 3])
+    assert behind.propose(tree=False, max_depth=4, peers=[ahead]).chain == [9, 4, 1, 8]
+    assert ahead.propose(tree=False, peers=[behind]) is None  # the peer behind has not written this text yet
+
+
 def test_the_cache_is_bounded_in_tokens_and_evicts_the_oldest_first():
     cache = SuffixCache(SuffixConfig(cache_tokens=10))
     for i in range(5):
