@@ -7,7 +7,9 @@ served in a slot beside others (prompt chunks and plain rows of other sequences 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -209,14 +211,19 @@ def test_second_turn_reuses_its_slot_cells_exactly(model_path, single, prompts):
     assert second.out == out and all(np.array_equal(a, b) for a, b in zip(second.logits, logits))
 
 
+@contextmanager
+def copying_engine(model_path) -> Iterator[Engine]:
+    """Two slots that verify every copy draft (4 deep, unpriced): the copy tests' engine."""
+    with SequenceTarget(model_path, SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)) as target:
+        yield Engine(target, max_waiting=2, drafting=Drafting(lookup_depth=4, priced=False))
+
+
 def test_a_repeated_prompt_copies_the_past_answer_from_its_first_step(model_path, prompts, reference):
     """The past answer is cached after its prompt's end (``SuffixConfig.prompt_context``), so the same prompt
     again matches at once: every step of the repeat verifies copied rows and accepts them all, where a cache of
     answers alone would give nothing to copy until the repeat's own answer had matched 8 tokens of it."""
-    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
     out, _ = reference[2]
-    with SequenceTarget(model_path, opts) as target:
-        engine = Engine(target, max_waiting=2, drafting=Drafting(lookup_depth=4, priced=False))
+    with copying_engine(model_path) as engine:
         first = Request(prompts[2], MAX_NEW[2])
         engine.submit(first)
         for _ in engine.run():
@@ -233,10 +240,8 @@ def test_a_repeated_prompt_copies_the_past_answer_from_its_first_step(model_path
 def test_a_request_in_flight_lends_its_answer_to_a_repeat_behind_it(model_path, prompts, reference):
     """Two slots, the same prompt: the repeat arrives while the first is 10 tokens ahead, and copies from the
     first's answer so far (``SuffixRequest.propose(peers=...)``) before that answer is finished or cached."""
-    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
     out, _ = reference[2]
-    with SequenceTarget(model_path, opts) as target:
-        engine = Engine(target, max_waiting=2, drafting=Drafting(lookup_depth=4, priced=False))
+    with copying_engine(model_path) as engine:
         first = Request(prompts[2], MAX_NEW[2])
         engine.submit(first)
         while len(first.out) < 10:
