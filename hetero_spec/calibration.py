@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # concrete types only for readers; the boundary stays clean a
 CURVE_VERSION = 1
 # Bumped when the draft runtime's step cost changes, so that a curve cached with a draft is measured again
 # rather than pricing the draft at its old cost (v2: weight-only int8 fusion, the one-position forward and
-# the target's threads for the draft; docs/bench.md).  Curves without a draft keep their key.
-DRAFT_STEP_VERSION = 2
+# the target's threads for the draft; v3: the native greedy chain, draft/native.py; docs/bench.md).  Curves
+# without a draft keep their key.
+DRAFT_STEP_VERSION = 3
 MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
 PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
 _FILLER = (
@@ -54,7 +55,8 @@ class CostCurve:
 
     ``verify_ms[n]``: one decode of n rows with embeddings on (the verification of n-1 drafts);
     ``draft_step_ms``: one draft step (one row forward + head argmax) on the draft's device;
-    ``draft_rows_ms[n]``: one draft forward over n rows (a tree depth), optional;
+    ``draft_rows_ms[n]``: one draft forward over n rows (a tree depth), optional; ``draft_rows_ms[1]`` is
+    a chain's later depth, which a CPU draft runs inside its native chain at ``draft_step_ms``;
     ``draft_switch_ms``: what the first draft forward of a round costs beyond ``draft_step_ms``
     because a target decode ran just before it, as one always has in the loop.  On a CPU draft
     the decode evicts the draft's weights from the shared cache: on SmolLM2 Q4_0 (2-core EPYC,
@@ -311,6 +313,10 @@ def _measure_draft(runner, hidden: np.ndarray, tokens: list[int], ns: list[int],
                 runner.rollback(n0)
 
             rows_ms[n] = _median_ms(rows, repeats)
+            if n == 1 and getattr(runner, "_native", None) is not None:
+                # a chain's later depths run inside the native chain (draft/native.py), not as torch forwards
+                # of one row (three times dearer): price them as the step measured above
+                rows_ms[n] = min(rows_ms[n], step_ms)
             if progress:
                 progress(repeats)
     finally:

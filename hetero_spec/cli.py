@@ -107,7 +107,7 @@ def _run_turns(hs, prompt: str | None, chat: bool, options: dict, stats_json: Pa
     if verbose:
         click.echo(f"kernels: {hs.target.kernels}", err=True)
         if hs.draft is not None:
-            click.echo(f"draft: {hs.draft.device} {hs.draft.weights}", err=True)
+            click.echo(f"draft: {hs.draft.device} {hs.draft.weights}, {hs.draft.step_kind} steps", err=True)
     if prompt is not None:
         _one_turn(hs, prompt, chat, options, stats_json, history=None)
         return

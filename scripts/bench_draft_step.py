@@ -23,6 +23,10 @@ Settings (``--setting``, repeatable; default: all of them):
   int8-1t-onerow  the same with the one-position forward (``DraftRunner._forward_one``)
   int8-1t         int8 everywhere (weight-only int8 fusion and taps' fc), the one-position forward, 1 thread
   int8-2t         the same on 2 threads (the target's are idle while the draft runs)
+  native-1t       the runtime's CPU int8 path (issue 43): the whole greedy chain as one native call
+                  (draft/native.py: int8 weights, int8 activations outside the fusion's first layer and
+                  the taps' fc, the host's integer dot-product kernel), 1 thread
+  native-2t       the same on the target's 2 threads: what ``run`` runs
 With ``--device cuda`` (equal to a float32 draft on CUDA):
   cuda-bf16       bf16, each chain step one CUDA graph replay, pinned non-blocking hand-off (the runtime)
   cuda-bf16-eager the same without the graph
@@ -48,6 +52,7 @@ class Setting:
     float_fusion: bool = False  # the fusion and tap_fc in float32 (the runtime before issue 43)
     device: str = "cpu"
     graph: bool = True  # CUDA: replay the one-position step as a graph
+    native: bool = False  # the greedy chain as one native call (draft/native.py; the runtime's CPU int8 path)
 
 
 SETTINGS = {
@@ -56,6 +61,8 @@ SETTINGS = {
     "int8-1t-onerow": Setting("auto", 1, True, float_fusion=True),
     "int8-1t": Setting("auto", 1, True),
     "int8-2t": Setting("auto", 2, True),
+    "native-1t": Setting("auto", 1, True, native=True),
+    "native-2t": Setting("auto", 2, True, native=True),
 }
 CUDA_SETTINGS = {
     "cuda-float32": Setting("float32", 0, True, device="cuda"),
@@ -91,6 +98,12 @@ def make_runner(target, draft: str, s: Setting):
     finally:
         int8.weight_int8_available = saved
     r._one_row = s.one_row
+    if not s.native:
+        r._native = None
+    elif r._native is None:
+        raise click.ClickException("the native draft step did not build here (a C++ compiler with OpenMP is needed)")
+    else:
+        r._native.threads = s.threads
     r.cuda_graph = r.cuda_graph and s.graph
     assert int8_cache  # the check is read from (or written to) the same cache as the runtime's
     return r
@@ -131,6 +144,7 @@ def chain_equal(a: np.ndarray, ref: np.ndarray) -> float:
 def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, rounds: int, context: int, target_threads: int,
          json_out: str | None) -> None:
     from hetero_spec.api import draft_taps
+    from hetero_spec.draft import native
     from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
     table = {**SETTINGS, **CUDA_SETTINGS}
@@ -173,9 +187,10 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
     for n in names:
         r = runners[n]
         back, after = (statistics.median(times[n][w]) * 1e3 for w in ("back", "after"))
-        out[n] = dict(weights=r.weights, device=table[n].device, threads=table[n].threads, ms_per_step=back, ms_per_step_after_target=after,
+        weights = r.weights if r._native is None else f"{r.weights} native {native.kernel_name(r._native.lib)}"
+        out[n] = dict(weights=weights, device=table[n].device, threads=table[n].threads, ms_per_step=back, ms_per_step_after_target=after,
                       equal_k1=equal[n][0], equal_chain=equal[n][1], positions=span, k=k)
-        click.echo(f"{n:13s} {r.weights:13s} {back:6.3f} ms/step back to back, {after:6.3f} after a target decode; "
+        click.echo(f"{n:13s} {weights:13s} {back:6.3f} ms/step back to back, {after:6.3f} after a target decode; "
                    f"equal to float32: k=1 {equal[n][0]:.1%}, chain {equal[n][1]:.1%} ({span} positions)")
     if json_out:
         with open(json_out, "w", encoding="utf-8") as fh:

@@ -23,6 +23,7 @@ from .int8 import (FLOAT_MODULES, HEAD, INT8_MAX_ERROR, INT8_MIN_AGREEMENT, Int8
                    calibrate_int8, int8_available, quantize_linears)
 from .context_head import ContextHead
 from .model import DraftModel, _attend_one
+from . import native
 from .static_step import StaticStep
 
 
@@ -94,8 +95,10 @@ def _calibrate(model: DraftModel, rows: tuple[np.ndarray, np.ndarray] | None, de
     runs = {}
     for mode in ("float32", "int8-full", "int8-reduced"):
         # forced modes given the scales measure nothing themselves, so this does not recurse
+        # the torch int8 step, whose one-row kernels saturate without VNNI (the native chain is checked by its tests)
         runner = DraftRunner(copy.deepcopy(model), device="cpu", dtype=mode, denoise=denoise,
-                             int8_calibration=Int8Calibration(smooth), cpu_threads=torch.get_num_threads())
+                             int8_calibration=Int8Calibration(smooth), cpu_threads=torch.get_num_threads(),
+                             native_chain=False)
         runs[mode] = np.array([runner.propose(feats[t : t + 1], tokens[t : t + 1], k=1)[0] for t in range(len(tokens))])
     agree = {m: float((runs[m] == runs["float32"]).mean()) for m in ("int8-full", "int8-reduced")}
     return Int8Calibration(smooth, Int8Check(err_full, err_reduced, agree["int8-full"], agree["int8-reduced"]))
@@ -156,6 +159,7 @@ class DraftRunner:
         calibration: tuple[np.ndarray, np.ndarray] | None = None,
         int8_calibration: Int8Calibration | None = None,
         context_rows: bool = True,
+        native_chain: bool = True,
     ) -> None:
         """``calibration``: real rows (features [n, n_in] float32, next tokens [n]) on which int8 weights are
         smoothed and both int8 modes checked; without them, unit-RMS embedding rows stand in (less
@@ -189,6 +193,12 @@ class DraftRunner:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rope_cos = self.model.rope_cos.float()
         self.model.rope_sin = self.model.rope_sin.float()
+        self._native: native.NativeChain | None = None  # the greedy chain as one native call (native.py)
+        if self.weights.startswith("int8") and native_chain and native.supports(self.model):
+            lib = native.load_library()
+            if lib is not None:  # built from the float weights, before the torch int8 layers replace them
+                self._native = native.NativeChain(lib, self.model, None, denoise, threads=cpu_threads,
+                                                  smooth=self.int8_calibration.smooth)
         if self.weights.startswith("int8"):
             reduced, smooth = self.weights == "int8-reduced", self.int8_calibration.smooth
             quantize_linears(self.model, reduced, smooth, weight_only=FLOAT_MODULES)
@@ -220,6 +230,11 @@ class DraftRunner:
             log_gate=[torch.zeros(c.max_positions, device=self.device) for _ in range(c.n_blocks)],
             holes=torch.zeros(c.max_positions, device=self.device),
         )
+
+    @property
+    def step_kind(self) -> str:
+        """How a greedy chain runs: ``native <kernel>`` (one C++ call, native.py) or ``torch``."""
+        return "torch" if self._native is None else f"native {native.kernel_name(self._native.lib)}"
 
     @property
     def int8_check(self) -> Int8Check | None:
@@ -275,6 +290,8 @@ class DraftRunner:
             raise DraftError("propose needs at least one real row and k >= 1")
         if self.cache.n + m + k - 1 > self.cfg.max_positions:
             raise DraftError(f"draft context of {self.cfg.max_positions} positions is full")
+        if self._native is not None:
+            return self._propose_native(features, tokens, k)[0]
         g, toks = self._real(features), self._tokens(tokens)
         x, feat = self._forward_step(g, toks) if m == 1 else self._forward(g, toks)
         x, feat = x[:, -1:], feat[:, -1:]  # [1, 1, hidden], [1, 1, n_embd]
@@ -285,6 +302,28 @@ class DraftRunner:
             if j + 1 < k:
                 x, feat = self._forward_step(self.model.drafted_input(x, feat), tok.view(1, 1))
         return torch.stack(out).tolist()  # the round's one synchronisation on a GPU
+
+    def _propose_native(self, features: np.ndarray, tokens: np.ndarray | list[int], k: int,
+                        p_min: float = 0.0) -> tuple[list[int], int]:
+        """``propose`` through the native chain: a lone real row is its first step, several are read by the
+        torch forward first (a many-row forward is a few matrix products, not dispatch-bound).  Returns the
+        proposals (fewer than k where one's probability falls below ``p_min``) and the cells of real rows."""
+        chain, head = self._native, self._head
+        if chain.cache is not self.cache:  # the engine swaps slots' caches in
+            chain.attach(self.cache)
+        extra = head._extra
+        if len(tokens) == 1:
+            row = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32).reshape(-1))
+            if row.shape[0] != self.cfg.input_size:
+                raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {row.shape[0]}")
+            n_real = self.cache.n + 1
+            ids, written = chain.run(row, None, int(tokens[0]), self.cache.n, k, True, extra, head.d2t_t, p_min)
+        else:
+            x, feat = self._forward(self._real(features), self._tokens(tokens))
+            n_real = self.cache.n
+            ids, written = chain.run(x[0, -1], feat[0, -1], 0, self.cache.n, k, False, extra, head.d2t_t, p_min)
+        self.cache.n += written
+        return ids, n_real
 
     def _forward_step(self, g: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One position inside ``propose``: on CUDA the graphed static step (its outputs are buffers that
@@ -358,6 +397,11 @@ class DraftRunner:
         greedy = sampling is None or sampling.greedy
         if not greedy and rng is None:
             raise DraftError("sampling proposals need a random generator")
+        if greedy and top_k == 1 and self._native is not None:  # a greedy chain: the native one (auto's chains)
+            ids, n_real = self._propose_native(features, tokens, min(depth, total_tokens), p_min)
+            n = len(ids)
+            return TreeProposal(np.array([-1, *ids], dtype=np.int64), np.arange(-1, n, dtype=np.int64), [None] * (n + 1),
+                                n_real, max(0, n - 1))
         x, feat = self._forward(self._real(features), self._tokens(tokens))
         feats = feat[0, -1:]  # [1, n_embd]: predicted feature after the root
         gs = self.model.drafted_input(x, feat)[0, -1:]  # [1, feature_size]: what the root's children read

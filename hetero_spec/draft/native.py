@@ -1,0 +1,250 @@
+"""The CPU draft's greedy chain as one native call (``native_step.cpp``), built for this CPU at first use.
+
+WHY: a torch draft step on the CPU is about 250 kernel calls around 9 matrix-vector products, and on a
+2-core machine their dispatch (2-4 us each), not the 9 MB of int8 weights, set the step's 1.5-2 ms
+(scripts/bench_draft_step.py).  The native chain runs k steps and their head argmaxes in one call.
+
+Built with the system's C++ compiler (``g++``, or ``$CXX``) and OpenMP, for the host CPU
+(``-march=native``; ``HETERO_SPEC_NATIVE_MARCH`` picks another target, which is how the tests cover the
+generic AVX2 build on an AVX-512 host), once per source, compiler and CPU, into the user cache.  Without
+a compiler, or with ``HETERO_SPEC_NATIVE_DRAFT=0``, the draft keeps its torch step.
+
+>>> lib = load_library()                       # None: no compiler, or turned off
+>>> chain = NativeChain(lib, model, cache, denoise, threads=2)   # model: the float DraftModel
+>>> ids, written = chain.run(g, feat, token, p0, k, first=True, extra=None, d2t=d2t)
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..calibration import machine_id
+from ..config import DenoiseConfig
+from .int8 import HEAD
+
+SOURCE = Path(__file__).with_name("native_step.cpp")
+MAX_RESCORE = 64  # native_step.cpp's top-row buffer
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("wsum", ctypes.c_void_p),
+                ("inv_smooth", ctypes.c_void_p), ("out", ctypes.c_int32), ("in_", ctypes.c_int32), ("act_q", ctypes.c_int32)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("qkv", _QMat), ("o", _QMat), ("gate_up", _QMat), ("down", _QMat),
+                ("importance_w", ctypes.c_void_p), ("importance_b", ctypes.c_float), ("ffn_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("log_gate", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("hidden", "n_embd", "n_heads", "n_kv", "head_dim", "ffn", "n_blocks",
+                                             "max_pos", "fusion", "drafted_is_prenorm")] + [
+        ("eps", ctypes.c_float), ("recent_window", ctypes.c_int32), ("has_threshold", ctypes.c_int32),
+        ("log_threshold", ctypes.c_float), ("embed", ctypes.c_void_p), ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p), ("tap", _QMat), ("w1", _QMat), ("w2", _QMat), ("wz", _QMat), ("emb_norm", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p), ("out_proj", _QMat), ("head", _QMat), ("head_f32", ctypes.c_void_p),
+        ("rescore", ctypes.c_int32), ("blocks", ctypes.POINTER(_Block)), ("holes", ctypes.c_void_p)]
+
+
+def _march() -> str:
+    return os.environ.get("HETERO_SPEC_NATIVE_MARCH", "native")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("HETERO_SPEC_CACHE", Path.home() / ".cache" / "hetero-spec")) / "native"
+
+
+def library_path(march: str | None = None) -> Path | None:
+    """Where the library for this source, compiler, target and CPU is (or would be) cached; None: no compiler."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        return None
+    march = march or _march()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cxx, *version, march, machine_id(0)]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"draft_step-{march}-{key}.so"
+
+
+def build(march: str | None = None) -> Path | None:
+    """Compile the library unless cached (written under a temporary name, then renamed: never half-written)."""
+    path = library_path(march)
+    if path is None or path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    # -fno-math-errno: expf may then be vectorized (the p-min softmax over the head's rows)
+    cmd = [cxx, "-O3", f"-march={march or _march()}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17",
+           str(SOURCE), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return None
+    os.replace(tmp, path)
+    return path
+
+
+def load_library(march: str | None = None) -> ctypes.CDLL | None:
+    """The built library for ``march`` (default: ``HETERO_SPEC_NATIVE_MARCH``, else the host CPU), or None: no
+    compiler, the build failed, or ``HETERO_SPEC_NATIVE_DRAFT=0``."""
+    if os.environ.get("HETERO_SPEC_NATIVE_DRAFT", "1") == "0":
+        return None
+    return _load(march or _march())
+
+
+@lru_cache(maxsize=None)
+def _load(march: str) -> ctypes.CDLL | None:
+    path = build(march)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.draft_chain.restype = ctypes.c_int32
+    p = ctypes.c_void_p
+    i32 = ctypes.c_int32
+    lib.draft_chain.argtypes = [ctypes.POINTER(_Model), p, p, ctypes.c_int64, i32, i32, i32, p, i32, p, i32,
+                                ctypes.c_float, p, ctypes.POINTER(i32)]
+    lib.kernel_name.restype = ctypes.c_char_p
+    return lib
+
+
+def kernel_name(lib: ctypes.CDLL) -> str:
+    """The integer kernel a build took: ``avx512-vnni``, ``avx2`` or ``generic``."""
+    return lib.kernel_name().decode()
+
+
+def supports(model) -> bool:
+    """Whether the native chain covers this draft: dgf or fc fusion on the CPU (eagle3's first block reads
+    the fusion's own wide input, which only the torch step has)."""
+    return model.cfg.fusion in ("dgf", "fc")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeChain:
+    """The draft's weights as int8 rows with float scales, and the ctypes model over them and the runner's cache.
+
+    ``model``: the float32 DraftModel (before the torch int8 layers replace its linears); ``cache``: the
+    runner's DraftCache (float32, written in place, so torch and native steps share it)."""
+
+    def __init__(self, lib: ctypes.CDLL, model, cache, denoise: DenoiseConfig, threads: int,
+                 smooth: dict[str, torch.Tensor] | None = None, rescore: int = 8, quantize_activations: bool = True) -> None:
+        """``quantize_activations`` False: every layer keeps float activations (slower; the tests' exact reference)."""
+        self.lib, self.threads = lib, threads
+        self._smooth = smooth or {}
+        self._act_q = quantize_activations
+        cfg = model.cfg
+        self._keep: list[torch.Tensor] = []  # everything the native model points at
+        m = _Model()
+        m.hidden, m.n_embd, m.n_heads, m.n_kv, m.head_dim = cfg.hidden_size, cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        m.ffn, m.n_blocks, m.max_pos = cfg.ffn_size, cfg.n_blocks, cfg.max_positions
+        m.fusion = {"dgf": 0, "fc": 1}[cfg.fusion]
+        m.drafted_is_prenorm = int(model.tap_fc is not None)
+        m.eps = cfg.rms_eps
+        m.recent_window = denoise.recent_window
+        m.has_threshold = int(denoise.threshold > 0)
+        m.log_threshold = float(np.log(denoise.threshold)) if denoise.threshold > 0 else 0.0
+        m.embed = self._f32(model.embed)
+        m.rope_cos, m.rope_sin = self._f32(model.rope_cos), self._f32(model.rope_sin)
+        if model.tap_fc is not None:  # g = W (f * tap_scale): raw taps carry channels of RMS 1,200, so float rows
+            m.tap = self._qw(model.tap_fc.weight, None)
+            m.tap.inv_smooth = self._f32(model.tap_scale)
+        fusion = model.fusion
+        if cfg.fusion == "dgf":
+            # w1 reads g (the target's state, outlier channels and all) as float; w2 (a normed embedding) and wz
+            # quantize their rows
+            m.w1, m.w2, m.wz = self._q(fusion.w1), self._q(fusion.w2, "fusion.w2"), self._q(fusion.wz, "fusion.wz")
+            m.emb_norm = self._f32(fusion.emb_norm.weight)
+        else:
+            m.w1 = self._q(fusion.fc)
+        m.final_norm = self._f32(model.norm.weight) if model.norm is not None else None
+        if model.out_proj is not None:
+            m.out_proj = self._q(model.out_proj, "out_proj")
+        m.head = self._qw(model.head, None, self._smooth.get(HEAD), act_q=self._act_q)
+        m.head_f32 = self._f32(model.head)
+        m.rescore = min(rescore, MAX_RESCORE, model.head.shape[0])
+        blocks = (_Block * cfg.n_blocks)()
+        for i, blk in enumerate(model.blocks):
+            b = blocks[i]
+            b.attn_norm = self._f32(blk.attn_norm.weight) if blk.attn_norm is not None else None
+            b.qkv, b.o, b.gate_up, b.down = (self._q(getattr(blk, n), f"blocks.{i}.{n}") for n in ("qkv", "o", "gate_up", "down"))
+            if blk.importance is not None:
+                b.importance_w = self._f32(blk.importance.weight[0])
+                b.importance_b = float(blk.importance.bias.detach()[0])
+            b.ffn_norm = self._f32(blk.ffn_norm.weight)
+        self._blocks, self._model = blocks, m
+        self.cache = None
+        if cache is not None:
+            self.attach(cache)
+
+    def attach(self, cache) -> None:
+        """Point the native model at a cache's tensors (float32, contiguous: the runner's own)."""
+        for t in [*cache.k, *cache.v, *cache.log_gate, cache.holes]:
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("the native draft step needs a contiguous float32 cache")
+        for i in range(len(cache.k)):
+            b = self._blocks[i]
+            b.k_cache, b.v_cache, b.log_gate = cache.k[i].data_ptr(), cache.v[i].data_ptr(), cache.log_gate[i].data_ptr()
+        self._model.holes = cache.holes.data_ptr()
+        self._model.blocks = ctypes.cast(self._blocks, ctypes.POINTER(_Block))
+        self.cache = cache
+
+    def _f32(self, t: torch.Tensor) -> int:
+        t = t.detach().to(torch.float32).contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _qw(self, weight: torch.Tensor, bias: torch.Tensor | None, smooth: torch.Tensor | None = None,
+            act_q: bool = False) -> _QMat:
+        """Per-output-row symmetric int8 (scale = absmax / 127) of a float weight [out, in].  ``act_q``: the
+        activation row is quantized too, after dividing by ``smooth`` [in] (folded into the weight here)."""
+        w = weight.detach().float()
+        inv_smooth = None
+        if act_q and smooth is not None:
+            w = w * smooth.float()
+            inv_smooth = (1.0 / smooth.float()).contiguous()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).contiguous()
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        wsum = q.sum(dim=1, dtype=torch.int32).contiguous()
+        self._keep += [q, scale, wsum] + ([inv_smooth] if inv_smooth is not None else [])
+        out = _QMat(q.data_ptr(), scale.data_ptr(), None, wsum.data_ptr(), _ptr(inv_smooth), w.shape[0], w.shape[1],
+                    int(act_q))
+        if bias is not None:
+            out.bias = self._f32(bias)
+        return out
+
+    def _q(self, linear: torch.nn.Linear, name: str | None = None) -> _QMat:
+        """A linear layer; named layers (those torch quantizes too) get quantized activations."""
+        return self._qw(linear.weight, linear.bias, self._smooth.get(name), act_q=name is not None and self._act_q)
+
+    def run(self, g: torch.Tensor, feat: torch.Tensor | None, token: int, p0: int, k: int, first: bool,
+            extra: torch.Tensor | None, d2t: torch.Tensor, p_min: float = 0.0) -> tuple[list[int], int]:
+        """Up to k greedy target ids, and how many cache cells from p0 were written.
+
+        ``first``: g [input_size] is the target's real row at p0 (its taps, or its feature) and ``token`` its
+        next token; else g is the pre-norm x [hidden] and ``feat`` [n_embd] the feature of the position before
+        p0.  ``extra`` [n, n_embd] float32: the context head's added rows; ``d2t`` int64: head row -> target id
+        over both parts.  ``p_min`` > 0: the chain stops before a proposal whose probability is below it."""
+        g = g.contiguous()
+        feat = g if feat is None else feat.contiguous()
+        out = np.empty(k, dtype=np.int64)
+        n_out = ctypes.c_int32(0)
+        n_extra = 0 if extra is None else extra.shape[0]
+        written = self.lib.draft_chain(ctypes.byref(self._model), g.data_ptr(), feat.data_ptr(), int(token), p0, k,
+                                       int(first), None if extra is None else extra.data_ptr(), n_extra,
+                                       d2t.data_ptr(), self.threads, float(p_min), out.ctypes.data, ctypes.byref(n_out))
+        if written < 0:
+            raise ValueError("draft context is full")
+        return out[: n_out.value].tolist(), written
