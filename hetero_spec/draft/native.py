@@ -11,7 +11,7 @@ a compiler, or with ``HETERO_SPEC_NATIVE_DRAFT=0``, the draft keeps its torch st
 
 >>> lib = load_library()                       # None: no compiler, or turned off
 >>> chain = NativeChain(lib, model, cache, denoise, threads=2)   # model: the float DraftModel
->>> ids, written = chain.run(g, feat, token, p0, k, first=True, extra=None, d2t=d2t)
+>>> ids, written = chain.run(rows, tokens, p0, k, extra=None, d2t=d2t)   # rows: the target's [m, input_size]
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def _load(march: str) -> ctypes.CDLL | None:
     lib.draft_chain.restype = ctypes.c_int32
     p = ctypes.c_void_p
     i32 = ctypes.c_int32
-    lib.draft_chain.argtypes = [ctypes.POINTER(_Model), p, p, ctypes.c_int64, i32, i32, i32, p, i32, p, i32,
-                                ctypes.c_float, p, ctypes.POINTER(i32)]
+    lib.draft_chain.argtypes = [ctypes.POINTER(_Model), p, i32, p, p, p, i32, i32, p, i32, p, i32, ctypes.c_float, p,
+                                ctypes.POINTER(i32)]
     lib.kernel_name.restype = ctypes.c_char_p
     return lib
 
@@ -229,22 +229,29 @@ class NativeChain:
         """A linear layer; named layers (those torch quantizes too) get quantized activations."""
         return self._qw(linear.weight, linear.bias, self._smooth.get(name), act_q=name is not None and self._act_q)
 
-    def run(self, g: torch.Tensor, feat: torch.Tensor | None, token: int, p0: int, k: int, first: bool,
-            extra: torch.Tensor | None, d2t: torch.Tensor, p_min: float = 0.0) -> tuple[list[int], int]:
+    def run(self, rows: torch.Tensor | None, tokens: np.ndarray | None, p0: int, k: int, extra: torch.Tensor | None,
+            d2t: torch.Tensor, p_min: float = 0.0, x0: torch.Tensor | None = None,
+            feat0: torch.Tensor | None = None) -> tuple[list[int], int]:
         """Up to k greedy target ids, and how many cache cells from p0 were written.
 
-        ``first``: g [input_size] is the target's real row at p0 (its taps, or its feature) and ``token`` its
-        next token; else g is the pre-norm x [hidden] and ``feat`` [n_embd] the feature of the position before
-        p0.  ``extra`` [n, n_embd] float32: the context head's added rows; ``d2t`` int64: head row -> target id
-        over both parts.  ``p_min`` > 0: the chain stops before a proposal whose probability is below it."""
-        g = g.contiguous()
-        feat = g if feat is None else feat.contiguous()
+        ``rows`` [m, input_size] float32: the target's real rows at p0.. (its taps, or its features) with
+        ``tokens`` [m] int64 the token after each; or None, with ``x0`` [hidden] (pre-norm) and ``feat0``
+        [n_embd] the state of the position before p0.  ``extra`` [n, n_embd] float32: the context head's added
+        rows; ``d2t`` int64: head row -> target id over both parts.  ``p_min`` > 0: the chain stops before a
+        proposal whose probability is below it."""
         out = np.empty(k, dtype=np.int64)
         n_out = ctypes.c_int32(0)
         n_extra = 0 if extra is None else extra.shape[0]
-        written = self.lib.draft_chain(ctypes.byref(self._model), g.data_ptr(), feat.data_ptr(), int(token), p0, k,
-                                       int(first), None if extra is None else extra.data_ptr(), n_extra,
-                                       d2t.data_ptr(), self.threads, float(p_min), out.ctypes.data, ctypes.byref(n_out))
+        if rows is not None:
+            rows = rows.contiguous()
+            tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+            args = (rows.data_ptr(), rows.shape[0], tokens.ctypes.data, None, None)
+        else:
+            x0, feat0 = x0.contiguous(), feat0.contiguous()
+            args = (None, 0, None, x0.data_ptr(), feat0.data_ptr())
+        written = self.lib.draft_chain(ctypes.byref(self._model), *args, p0, k,
+                                       None if extra is None else extra.data_ptr(), n_extra, d2t.data_ptr(),
+                                       self.threads, float(p_min), out.ctypes.data, ctypes.byref(n_out))
         if written < 0:
             raise ValueError("draft context is full")
         return out[: n_out.value].tolist(), written

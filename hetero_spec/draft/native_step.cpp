@@ -72,35 +72,45 @@ struct Model {
 
 namespace {
 
-// float activation x int8 weight: the fusion's path (its inputs carry outlier channels a row of 255
-// levels cannot hold).  Four rows share each load of x.
-void gemv_float(const QMat& m, const float* x, float* y, int nt) {
-    const int in = m.in, groups = m.out / 4;
+// Y[i] = W X[i] (+ bias) for ``rows`` activation rows (X [rows, in], Y [rows, out]): every weight row is read
+// once for all of them, so reading m real rows costs little more than one.
+
+// float activation x int8 weight: the path of the layers that read the target's raw states (their outlier
+// channels do not fit one row's 255 levels).  Four weight rows share each load of x.
+void matmul_float(const QMat& m, const float* X, int rows, float* Y, int nt) {
+    const int in = m.in, out = m.out, groups = out / 4;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int g = 0; g < groups; ++g) {
         const int r = 4 * g;
         const int8_t* w0 = m.w + (size_t)r * in;
         const int8_t *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+        for (int i = 0; i < rows; ++i) {
+            const float* x = X + (size_t)i * in;
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int i = 0; i < in; ++i) {
-            const float xi = x[i];
-            a0 += (float)w0[i] * xi;
-            a1 += (float)w1[i] * xi;
-            a2 += (float)w2[i] * xi;
-            a3 += (float)w3[i] * xi;
+            for (int t = 0; t < in; ++t) {
+                const float xt = x[t];
+                a0 += (float)w0[t] * xt;
+                a1 += (float)w1[t] * xt;
+                a2 += (float)w2[t] * xt;
+                a3 += (float)w3[t] * xt;
+            }
+            float* y = Y + (size_t)i * out;
+            y[r] = a0 * m.scale[r];
+            y[r + 1] = a1 * m.scale[r + 1];
+            y[r + 2] = a2 * m.scale[r + 2];
+            y[r + 3] = a3 * m.scale[r + 3];
         }
-        y[r] = a0 * m.scale[r];
-        y[r + 1] = a1 * m.scale[r + 1];
-        y[r + 2] = a2 * m.scale[r + 2];
-        y[r + 3] = a3 * m.scale[r + 3];
     }
-    for (int r = 4 * groups; r < m.out; ++r) {
+    for (int r = 4 * groups; r < out; ++r) {
         const int8_t* w = m.w + (size_t)r * in;
-        float a = 0.f;
+        for (int i = 0; i < rows; ++i) {
+            const float* x = X + (size_t)i * in;
+            float a = 0.f;
 #pragma omp simd reduction(+ : a)
-        for (int i = 0; i < in; ++i) a += (float)w[i] * x[i];
-        y[r] = a * m.scale[r];
+            for (int t = 0; t < in; ++t) a += (float)w[t] * x[t];
+            Y[(size_t)i * out + r] = a * m.scale[r];
+        }
     }
 }
 
@@ -141,50 +151,55 @@ inline int32_t dot_i8(const int8_t* w, const int8_t* q, const uint8_t* u, int32_
 struct QAct {
     std::vector<int8_t> q;
     std::vector<uint8_t> u;
-    std::vector<float> tmp;
     float scale = 1.f;
 };
 
-// x (divided by the smoothing scale) -> symmetric int8 with one scale for the row.
-void quantize_row(const QMat& m, const float* x, QAct& a) {
+// x (times the inverse smoothing scale) -> symmetric int8 with one scale for the row.
+void quantize_row(const QMat& m, const float* x, QAct& a, std::vector<float>& tmp) {
     const int n = m.in;
-    a.q.resize(n); a.u.resize(n); a.tmp.resize(n);
+    a.q.resize(n); a.u.resize(n); tmp.resize(n);
     float mx = 0.f;
     for (int i = 0; i < n; ++i) {
         const float v = m.inv_smooth ? x[i] * m.inv_smooth[i] : x[i];
-        a.tmp[i] = v;
+        tmp[i] = v;
         mx = std::fmax(mx, std::fabs(v));
     }
     a.scale = mx > 0.f ? mx / 127.f : 1.f;
     const float inv = 1.f / a.scale;
     for (int i = 0; i < n; ++i) {
-        const int v = (int)std::lrint(a.tmp[i] * inv);
+        const int v = (int)std::lrint(tmp[i] * inv);
         a.q[i] = (int8_t)v;
         a.u[i] = (uint8_t)(v + 128);
     }
 }
 
-void gemv(const QMat& m, const float* x, float* y, int nt) {
+void matmul(const QMat& m, const float* X, int rows, float* Y, int nt) {
+    thread_local std::vector<float> tmp;
     if (!m.act_q) {
-        if (m.inv_smooth) {  // a fixed per-channel input scale (the taps' tap_scale), applied to the float row
+        if (m.inv_smooth) {  // a fixed per-channel input scale (the taps' tap_scale), applied to the float rows
             thread_local std::vector<float> xs;
-            xs.resize(m.in);
-            for (int i = 0; i < m.in; ++i) xs[i] = x[i] * m.inv_smooth[i];
-            x = xs.data();
+            xs.resize((size_t)rows * m.in);
+            for (int i = 0; i < rows; ++i)
+                for (int t = 0; t < m.in; ++t) xs[(size_t)i * m.in + t] = X[(size_t)i * m.in + t] * m.inv_smooth[t];
+            X = xs.data();
         }
-        gemv_float(m, x, y, nt);
+        matmul_float(m, X, rows, Y, nt);
     } else {
-        thread_local QAct a;
-        quantize_row(m, x, a);
-        const int8_t* q = a.q.data();
-        const uint8_t* u = a.u.data();
-        const float xs = a.scale;
+        thread_local std::vector<QAct> acts;
+        if ((int)acts.size() < rows) acts.resize(rows);
+        for (int i = 0; i < rows; ++i) quantize_row(m, X + (size_t)i * m.in, acts[i], tmp);
+        const QAct* A = acts.data();
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-        for (int r = 0; r < m.out; ++r)
-            y[r] = (float)dot_i8(m.w + (size_t)r * m.in, q, u, m.wsum[r], m.in) * xs * m.scale[r];
+        for (int r = 0; r < m.out; ++r) {
+            const int8_t* w = m.w + (size_t)r * m.in;
+            for (int i = 0; i < rows; ++i)
+                Y[(size_t)i * m.out + r] =
+                    (float)dot_i8(w, A[i].q.data(), A[i].u.data(), m.wsum[r], m.in) * A[i].scale * m.scale[r];
+        }
     }
     if (m.bias)
-        for (int r = 0; r < m.out; ++r) y[r] += m.bias[r];
+        for (int i = 0; i < rows; ++i)
+            for (int r = 0; r < m.out; ++r) Y[(size_t)i * m.out + r] += m.bias[r];
 }
 
 void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
@@ -199,33 +214,37 @@ inline float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
 inline float silu(float z) { return z * sigmoid(z); }
 inline float log_sigmoid(float z) { return std::fmin(z, 0.f) - std::log1p(std::exp(-std::fabs(z))); }
 
-struct Scratch {
-    std::vector<float> g, x, xn, e, h1, h2, cat, z, qkv, att, tmp, gu, act, feat, scores, logits;
+struct Scratch {  // per-row buffers, [rows, width] each
+    std::vector<float> g, x, xn, e, h1, h2, cat, z, qkv, att, tmp, gu, act, feat, scores, logits, bias;
 };
 
-// Attention of one query row over cells 0..L-1 of one block, every head; GQA groups of heads share a kv head.
-void attend(const Model& M, const Block& B, const float* qkv, int L, float* out, std::vector<float>& scores, int nt) {
-    const int hd = M.head_dim, nh = M.n_heads, nkv = M.n_kv, per = nh / nkv;
+// Attention of ``rows`` query rows at cells p0.. over their cells 0..p0+i of one block, every head (GQA groups of
+// heads share a kv head).  The bias of a cell: log s_j (the importance gate) + the holes, with the denoising mask
+// of the last row's length for every row, as the torch forward of several rows (DraftRunner._bias).
+void attend(const Model& M, const Block& B, const float* QKV, int rows, int p0, float* out, Scratch& S, int nt) {
+    const int hd = M.head_dim, nh = M.n_heads, nkv = M.n_kv, per = nh / nkv, width = (nh + 2 * nkv) * hd;
     const float scale = 1.0f / std::sqrt((float)hd);
-    scores.resize((size_t)nh * L);
-    // the additive bias of each cell: log s_j (the importance gate) + the holes, with the denoising mask
-    std::vector<float> bias(L);
+    const int L = p0 + rows;
+    S.scores.resize((size_t)rows * nh * L);
+    S.bias.resize(L);
     const bool gated = B.importance_w != nullptr;
     const int old = (gated && M.has_threshold && L > M.recent_window) ? L - M.recent_window : 0;
     for (int j = 0; j < L; ++j) {
         float b = (gated ? B.log_gate[j] : 0.f) + M.holes[j];
         if (j < old && b < M.log_threshold) b = -INFINITY;
-        bias[j] = b;
+        S.bias[j] = b;
     }
+    const float* bias = S.bias.data();
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-    for (int h = 0; h < nh; ++h) {
-        const float* q = qkv + (size_t)h * hd;
+    for (int ih = 0; ih < rows * nh; ++ih) {
+        const int i = ih / nh, h = ih % nh, Li = p0 + i + 1;
+        const float* q = QKV + (size_t)i * width + (size_t)h * hd;
         const int kvh = h / per;
         const float* K = B.k_cache + (size_t)kvh * M.max_pos * hd;
         const float* V = B.v_cache + (size_t)kvh * M.max_pos * hd;
-        float* s = scores.data() + (size_t)h * L;
+        float* s = S.scores.data() + (size_t)ih * L;
         float mx = -INFINITY;
-        for (int j = 0; j < L; ++j) {
+        for (int j = 0; j < Li; ++j) {
             const float* kj = K + (size_t)j * hd;
             float d = 0.f;
 #pragma omp simd reduction(+ : d)
@@ -234,13 +253,13 @@ void attend(const Model& M, const Block& B, const float* qkv, int L, float* out,
             mx = std::fmax(mx, s[j]);
         }
         float sum = 0.f;
-        for (int j = 0; j < L; ++j) {
+        for (int j = 0; j < Li; ++j) {
             s[j] = (s[j] == -INFINITY) ? 0.f : std::exp(s[j] - mx);
             sum += s[j];
         }
-        float* o = out + (size_t)h * hd;
+        float* o = out + (size_t)i * nh * hd + (size_t)h * hd;
         for (int t = 0; t < hd; ++t) o[t] = 0.f;
-        for (int j = 0; j < L; ++j) {
+        for (int j = 0; j < Li; ++j) {
             const float p = s[j] / sum;
             if (p == 0.f) continue;
             const float* vj = V + (size_t)j * hd;
@@ -250,72 +269,91 @@ void attend(const Model& M, const Block& B, const float* qkv, int L, float* out,
     }
 }
 
-// One position p: g [feature] and token -> x (pre-norm) and feat (the predicted feature); writes cell p.
-void step(const Model& M, Scratch& S, const float* g, int64_t token, int p, int nt) {
-    const int H = M.hidden, D = M.n_embd, hd = M.head_dim, half = hd / 2;
-    const float* e = M.embed + (size_t)token * D;
-    float* x = S.x.data();
+// ``rows`` positions p0..: their g [rows, feature] and tokens -> the last row's x (pre-norm, S.x) and feature
+// (S.feat); writes their cells.
+void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens, int rows, int p0, int nt) {
+    const int H = M.hidden, D = M.n_embd, hd = M.head_dim, half = hd / 2, F = M.ffn;
+    const int nq = M.n_heads + M.n_kv, width = (M.n_heads + 2 * M.n_kv) * hd;
+    const size_t R = rows;
+    S.x.resize(R * H); S.xn.resize(R * (H > D ? H : D)); S.e.resize(R * D); S.h1.resize(R * H); S.h2.resize(R * H);
+    S.cat.resize(R * (2 * (H > D ? H : D) + M.w1.in)); S.z.resize(R * H); S.qkv.resize(R * width);
+    S.att.resize(R * M.n_heads * hd); S.tmp.resize(R * H); S.gu.resize(R * 2 * F); S.act.resize(R * F);
+    S.feat.resize(D);
+    float* X = S.x.data();
     if (M.fusion == 0) {
-        gemv(M.w1, g, S.h1.data(), nt);
-        rms_norm(e, M.emb_norm, S.e.data(), D, M.eps);
-        gemv(M.w2, S.e.data(), S.h2.data(), nt);
-        for (int i = 0; i < H; ++i) S.h2[i] = silu(S.h2[i]);
-        std::memcpy(S.cat.data(), S.h1.data(), H * sizeof(float));
-        std::memcpy(S.cat.data() + H, S.h2.data(), H * sizeof(float));
-        gemv(M.wz, S.cat.data(), S.z.data(), nt);
-        for (int i = 0; i < H; ++i) x[i] = S.h2[i] + sigmoid(S.z[i]) * (S.h1[i] - S.h2[i]);
-    } else {
-        std::memcpy(S.cat.data(), e, D * sizeof(float));
-        std::memcpy(S.cat.data() + D, g, M.w1.in - D > 0 ? (M.w1.in - D) * sizeof(float) : 0);
-        gemv(M.w1, S.cat.data(), x, nt);
+        matmul(M.w1, G, rows, S.h1.data(), nt);
+        for (int i = 0; i < rows; ++i) rms_norm(M.embed + (size_t)tokens[i] * D, M.emb_norm, S.e.data() + i * D, D, M.eps);
+        matmul(M.w2, S.e.data(), rows, S.h2.data(), nt);
+        for (size_t t = 0; t < R * H; ++t) S.h2[t] = silu(S.h2[t]);
+        for (int i = 0; i < rows; ++i) {
+            std::memcpy(S.cat.data() + (size_t)i * 2 * H, S.h1.data() + (size_t)i * H, H * sizeof(float));
+            std::memcpy(S.cat.data() + (size_t)i * 2 * H + H, S.h2.data() + (size_t)i * H, H * sizeof(float));
+        }
+        matmul(M.wz, S.cat.data(), rows, S.z.data(), nt);
+        for (size_t t = 0; t < R * H; ++t) X[t] = S.h2[t] + sigmoid(S.z[t]) * (S.h1[t] - S.h2[t]);
+    } else {  // fc([e; g]) + b
+        const int gin = M.w1.in - D;
+        for (int i = 0; i < rows; ++i) {
+            std::memcpy(S.cat.data() + (size_t)i * M.w1.in, M.embed + (size_t)tokens[i] * D, D * sizeof(float));
+            std::memcpy(S.cat.data() + (size_t)i * M.w1.in + D, G + (size_t)i * gin, gin * sizeof(float));
+        }
+        matmul(M.w1, S.cat.data(), rows, X, nt);
     }
-    M.holes[p] = 0.f;  // this cell gets real states now
-    const float* cos = M.rope_cos + (size_t)p * hd;
-    const float* sin = M.rope_sin + (size_t)p * hd;
-    const int L = p + 1;
+    for (int i = 0; i < rows; ++i) M.holes[p0 + i] = 0.f;  // these cells get real states now
     for (int b = 0; b < M.n_blocks; ++b) {
         const Block& B = M.blocks[b];
-        const float* xn = x;
+        const float* XN = X;
         if (B.attn_norm) {
-            rms_norm(x, B.attn_norm, S.xn.data(), H, M.eps);
-            xn = S.xn.data();
+            for (int i = 0; i < rows; ++i) rms_norm(X + (size_t)i * H, B.attn_norm, S.xn.data() + (size_t)i * H, H, M.eps);
+            XN = S.xn.data();
         }
-        float* qkv = S.qkv.data();
-        gemv(B.qkv, xn, qkv, nt);
-        for (int h = 0; h < M.n_heads + M.n_kv; ++h) {  // RoPE (rotate-half) on q and k
-            float* v = qkv + (size_t)h * hd;
-            for (int t = 0; t < half; ++t) {
-                const float a = v[t], c = v[t + half];
-                v[t] = a * cos[t] - c * sin[t];
-                v[t + half] = c * cos[t + half] + a * sin[t + half];
+        matmul(B.qkv, XN, rows, S.qkv.data(), nt);
+        for (int i = 0; i < rows; ++i) {
+            const int p = p0 + i;
+            float* qkv = S.qkv.data() + (size_t)i * width;
+            const float* cos = M.rope_cos + (size_t)p * hd;
+            const float* sin = M.rope_sin + (size_t)p * hd;
+            for (int h = 0; h < nq; ++h) {  // RoPE (rotate-half) on q and k
+                float* v = qkv + (size_t)h * hd;
+                for (int t = 0; t < half; ++t) {
+                    const float a = v[t], c = v[t + half];
+                    v[t] = a * cos[t] - c * sin[t];
+                    v[t + half] = c * cos[t + half] + a * sin[t + half];
+                }
+            }
+            for (int h = 0; h < M.n_kv; ++h) {
+                std::memcpy(B.k_cache + ((size_t)h * M.max_pos + p) * hd, qkv + (size_t)(M.n_heads + h) * hd,
+                            hd * sizeof(float));
+                std::memcpy(B.v_cache + ((size_t)h * M.max_pos + p) * hd, qkv + (size_t)(nq + h) * hd, hd * sizeof(float));
+            }
+            if (B.importance_w) {
+                const float* xn = XN + (size_t)i * H;
+                float z = B.importance_b;
+                for (int t = 0; t < H; ++t) z += B.importance_w[t] * xn[t];
+                B.log_gate[p] = log_sigmoid(z);
             }
         }
-        for (int h = 0; h < M.n_kv; ++h) {
-            std::memcpy(B.k_cache + ((size_t)h * M.max_pos + p) * hd, qkv + (size_t)(M.n_heads + h) * hd, hd * sizeof(float));
-            std::memcpy(B.v_cache + ((size_t)h * M.max_pos + p) * hd, qkv + (size_t)(M.n_heads + M.n_kv + h) * hd,
-                        hd * sizeof(float));
+        attend(M, B, S.qkv.data(), rows, p0, S.att.data(), S, nt);
+        matmul(B.o, S.att.data(), rows, S.tmp.data(), nt);
+        for (size_t t = 0; t < R * H; ++t) X[t] += S.tmp[t];
+        for (int i = 0; i < rows; ++i) rms_norm(X + (size_t)i * H, B.ffn_norm, S.xn.data() + (size_t)i * H, H, M.eps);
+        matmul(B.gate_up, S.xn.data(), rows, S.gu.data(), nt);
+        for (int i = 0; i < rows; ++i) {
+            const float* gu = S.gu.data() + (size_t)i * 2 * F;
+            float* act = S.act.data() + (size_t)i * F;
+            for (int t = 0; t < F; ++t) act[t] = silu(gu[t]) * gu[F + t];
         }
-        if (B.importance_w) {
-            float z = B.importance_b;
-            for (int i = 0; i < H; ++i) z += B.importance_w[i] * xn[i];
-            B.log_gate[p] = log_sigmoid(z);
-        }
-        attend(M, B, qkv, L, S.att.data(), S.scores, nt);
-        gemv(B.o, S.att.data(), S.tmp.data(), nt);
-        for (int i = 0; i < H; ++i) x[i] += S.tmp[i];
-        rms_norm(x, B.ffn_norm, S.xn.data(), H, M.eps);
-        gemv(B.gate_up, S.xn.data(), S.gu.data(), nt);
-        for (int i = 0; i < M.ffn; ++i) S.act[i] = silu(S.gu[i]) * S.gu[M.ffn + i];
-        gemv(B.down, S.act.data(), S.tmp.data(), nt);
-        for (int i = 0; i < H; ++i) x[i] += S.tmp[i];
+        matmul(B.down, S.act.data(), rows, S.tmp.data(), nt);
+        for (size_t t = 0; t < R * H; ++t) X[t] += S.tmp[t];
     }
-    const float* f = x;
+    if (rows > 1) std::memmove(X, X + (R - 1) * H, H * sizeof(float));  // the last row's x leads (S.x[0..H))
+    const float* f = X;
     if (M.final_norm) {
-        rms_norm(x, M.final_norm, S.xn.data(), H, M.eps);
+        rms_norm(X, M.final_norm, S.xn.data(), H, M.eps);
         f = S.xn.data();
     }
     if (M.out_proj.w) {
-        gemv(M.out_proj, f, S.feat.data(), nt);
+        matmul(M.out_proj, f, 1, S.feat.data(), nt);
     } else {
         std::memcpy(S.feat.data(), f, D * sizeof(float));
     }
@@ -336,7 +374,7 @@ int64_t best_token(const Model& M, Scratch& S, const float* feat, const float* e
                    int nt, float p_min, float* p_best) {
     const int D = M.n_embd, R = M.rescore;
     float* lg = S.logits.data();
-    gemv(M.head, feat, lg, nt);
+    matmul(M.head, feat, 1, lg, nt);
     int top[64];
     float val[64];
     int n = 0;
@@ -394,34 +432,34 @@ int64_t best_token(const Model& M, Scratch& S, const float* feat, const float* e
 extern "C" {
 
 // Up to k greedy proposals (``*n_out`` of them: fewer where the best row's probability falls below ``p_min``).
-// With ``first`` (1) position p0 is first computed from the target's real row g (its
-// taps, through the taps' fc, or its feature) and
-// ``token``; otherwise (0) g is the pre-norm x and ``feat0`` the feature of the position before p0, both
-// computed already.  Writes cells p0.. of every block; returns the number of cells written (the caller
-// advances its count), the target ids in ``out``.
-int32_t draft_chain(const Model* M, const float* g, const float* feat0, int64_t token, int32_t p0, int32_t k,
-                    int32_t first, const float* extra, int32_t n_extra, const int64_t* d2t, int32_t threads, float p_min,
-                    int64_t* out, int32_t* n_out) {
+// With ``rows`` > 0, positions p0.. are first computed from the target's real rows G [rows, input] (its taps,
+// through the taps' fc, or its features) and their next tokens; with 0, x0 [hidden] (pre-norm) and feat0
+// [n_embd] are the state of the position before p0, computed already.  Writes cells p0..; returns how many
+// (the caller advances its count), the target ids in ``out``.
+int32_t draft_chain(const Model* M, const float* G, int32_t rows, const int64_t* tokens, const float* x0,
+                    const float* feat0, int32_t p0, int32_t k, const float* extra, int32_t n_extra, const int64_t* d2t,
+                    int32_t threads, float p_min, int64_t* out, int32_t* n_out) {
     thread_local Scratch S;
     const int H = M->hidden, D = M->n_embd;
-    S.x.resize(H); S.xn.resize(H > D ? H : D); S.e.resize(D); S.h1.resize(H); S.h2.resize(H);
-    S.cat.resize(2 * (H > D ? H : D) + M->w1.in); S.z.resize(H);
-    S.qkv.resize((size_t)(M->n_heads + 2 * M->n_kv) * M->head_dim); S.att.resize((size_t)M->n_heads * M->head_dim);
-    S.tmp.resize(H); S.gu.resize(2 * M->ffn); S.act.resize(M->ffn); S.feat.resize(D); S.logits.resize(M->head.out);
+    if (p0 + rows + k - 1 > M->max_pos) return -1;
+    S.logits.resize(M->head.out);
     int p = p0, written = 0;
-    std::vector<float> g_next(H > D ? H : D);
-    if (first) {
+    if (rows > 0) {
         if (M->tap.w) {
-            S.g.resize(M->tap.out);
-            gemv(M->tap, g, S.g.data(), threads);
-            g = S.g.data();
+            S.g.resize((size_t)rows * M->tap.out);
+            matmul(M->tap, G, rows, S.g.data(), threads);
+            G = S.g.data();
         }
-        step(*M, S, g, token, p++, threads);
-        ++written;
+        step_rows(*M, S, G, tokens, rows, p, threads);
+        p += rows;
+        written += rows;
     } else {
-        std::memcpy(S.x.data(), g, H * sizeof(float));
+        S.x.resize(H);
+        S.feat.resize(D);
+        std::memcpy(S.x.data(), x0, H * sizeof(float));
         std::memcpy(S.feat.data(), feat0, D * sizeof(float));
     }
+    std::vector<float> g_next(H > D ? H : D);
     *n_out = 0;
     for (int j = 0; j < k; ++j) {
         float prob = 1.f;
@@ -430,10 +468,9 @@ int32_t draft_chain(const Model* M, const float* g, const float* feat0, int64_t 
         out[j] = tok;
         *n_out = j + 1;
         if (j + 1 == k) break;
-        if (p >= M->max_pos) return -1;
         const float* src = M->drafted_is_prenorm ? S.x.data() : S.feat.data();
         std::memcpy(g_next.data(), src, (M->drafted_is_prenorm ? H : D) * sizeof(float));
-        step(*M, S, g_next.data(), tok, p++, threads);
+        step_rows(*M, S, g_next.data(), &tok, 1, p++, threads);
         ++written;
     }
     return written;

@@ -305,23 +305,17 @@ class DraftRunner:
 
     def _propose_native(self, features: np.ndarray, tokens: np.ndarray | list[int], k: int,
                         p_min: float = 0.0) -> tuple[list[int], int]:
-        """``propose`` through the native chain: a lone real row is its first step, several are read by the
-        torch forward first (a many-row forward is a few matrix products, not dispatch-bound).  Returns the
-        proposals (fewer than k where one's probability falls below ``p_min``) and the cells of real rows."""
+        """``propose`` through the native chain, the real rows included.  Returns the proposals (fewer than k
+        where one's probability falls below ``p_min``) and the count of cells after the real rows."""
         chain, head = self._native, self._head
         if chain.cache is not self.cache:  # the engine swaps slots' caches in
             chain.attach(self.cache)
-        extra = head._extra
-        if len(tokens) == 1:
-            row = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32).reshape(-1))
-            if row.shape[0] != self.cfg.input_size:
-                raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {row.shape[0]}")
-            n_real = self.cache.n + 1
-            ids, written = chain.run(row, None, int(tokens[0]), self.cache.n, k, True, extra, head.d2t_t, p_min)
-        else:
-            x, feat = self._forward(self._real(features), self._tokens(tokens))
-            n_real = self.cache.n
-            ids, written = chain.run(x[0, -1], feat[0, -1], 0, self.cache.n, k, False, extra, head.d2t_t, p_min)
+        rows = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+        if rows.shape[-1] != self.cfg.input_size:
+            raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {rows.shape[-1]}")
+        n_real = self.cache.n + len(tokens)
+        ids, written = chain.run(rows.reshape(len(tokens), -1), np.asarray(tokens, dtype=np.int64), self.cache.n, k,
+                                 head._extra, head.d2t_t, p_min)
         self.cache.n += written
         return ids, n_real
 

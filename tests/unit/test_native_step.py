@@ -173,7 +173,7 @@ def test_native_head_picks_the_float_argmax_over_draft_and_context_rows(lib):
     picks, context_picks = [], 0
     for _ in range(60):
         feat = torch.from_numpy(rng.standard_normal(D).astype(np.float32))
-        ids, written = chain.run(torch.zeros(D), feat, 0, 0, 1, False, r._head._extra, r._head.d2t_t)
+        ids, written = chain.run(None, None, 0, 1, r._head._extra, r._head.d2t_t, x0=torch.zeros(D), feat0=feat)
         assert written == 0
         want = int(ref._head.greedy(feat[None]))
         picks.append(ids[0] == want)
