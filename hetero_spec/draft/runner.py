@@ -27,6 +27,12 @@ from . import native
 from .static_step import StaticStep
 
 
+# Real rows the native chain reads itself (draft/native.py); more go through torch's forward first.  The native
+# read multiplies each weight row by every row in turn, which beats fbgemm's GEMM up to about 8 rows (scripts/
+# bench_draft_step.py's machine: 1.2 against 1.5 ms for 4 rows, level at 8, 4.4 against 3.4 ms at 32).
+NATIVE_MAX_ROWS = 6
+
+
 def resolve_device(spec: str) -> torch.device:
     """``auto`` = CUDA when torch sees it, else CPU; ``cuda[:N]`` fails clearly without CUDA."""
     if spec == "auto":
@@ -305,17 +311,23 @@ class DraftRunner:
 
     def _propose_native(self, features: np.ndarray, tokens: np.ndarray | list[int], k: int,
                         p_min: float = 0.0) -> tuple[list[int], int]:
-        """``propose`` through the native chain, the real rows included.  Returns the proposals (fewer than k
-        where one's probability falls below ``p_min``) and the count of cells after the real rows."""
+        """``propose`` through the native chain, the real rows included up to ``NATIVE_MAX_ROWS`` of them (a round's
+        accepted tokens).  Returns the proposals (fewer than k where one's probability falls below ``p_min``) and
+        the count of cells after the real rows."""
         chain, head = self._native, self._head
         if chain.cache is not self.cache:  # the engine swaps slots' caches in
             chain.attach(self.cache)
-        rows = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
-        if rows.shape[-1] != self.cfg.input_size:
-            raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {rows.shape[-1]}")
         n_real = self.cache.n + len(tokens)
-        ids, written = chain.run(rows.reshape(len(tokens), -1), np.asarray(tokens, dtype=np.int64), self.cache.n, k,
-                                 head._extra, head.d2t_t, p_min)
+        if len(tokens) > NATIVE_MAX_ROWS:  # a backlog (a prompt, rows after plain rounds): torch's matrix products
+            x, feat = self._forward(self._real(features), self._tokens(tokens))
+            ids, written = chain.run(None, None, self.cache.n, k, head._extra, head.d2t_t, p_min, x0=x[0, -1],
+                                     feat0=feat[0, -1])
+        else:
+            rows = torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32))
+            if rows.shape[-1] != self.cfg.input_size:
+                raise DraftError(f"the draft reads rows of {self.cfg.input_size} values per position, got {rows.shape[-1]}")
+            ids, written = chain.run(rows.reshape(len(tokens), -1), np.asarray(tokens, dtype=np.int64), self.cache.n,
+                                     k, head._extra, head.d2t_t, p_min)
         self.cache.n += written
         return ids, n_real
 

@@ -11,7 +11,7 @@ from hetero_spec.config import DenoiseConfig, DraftConfig
 from hetero_spec.cpu_features import cpu_info
 from hetero_spec.draft import native
 from hetero_spec.draft.model import DraftModel, init_weights
-from hetero_spec.draft.runner import DraftRunner
+from hetero_spec.draft.runner import NATIVE_MAX_ROWS, DraftRunner
 
 D, V = 80, 300  # 80 wide: every dot product has a tail after the vector kernels' 64 or 32 lanes
 TAPS = (0, 1)
@@ -80,7 +80,8 @@ def rows(cfg: DraftConfig, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def drive(r: DraftRunner, feats: np.ndarray, toks: np.ndarray) -> tuple[list[list[int]], list[int]]:
     """What a decode loop does: holes, a many-row read, one-row chains with rollbacks (each chain keeps its
-    real cell), and a chain after a two-row read.  Returns every chain's proposals and the cache count after each."""
+    real cell), a chain after a backlog of 8 rows (read by torch first, ``NATIVE_MAX_ROWS``) and one after a
+    two-row read (read natively).  Returns every chain's proposals and the cache count after each."""
     r.skip(2)
     r.prefill(feats[:6], toks[:6])
     chains, counts = [], []
@@ -89,6 +90,10 @@ def drive(r: DraftRunner, feats: np.ndarray, toks: np.ndarray) -> tuple[list[lis
         chains.append(r.propose(feats[i : i + 1], toks[i : i + 1], k=3))
         counts.append(r.n)
         r.rollback(n + 1)
+    n = r.n
+    chains.append(r.propose(feats[-10:-2], toks[-10:-2], k=3))
+    counts.append(r.n)
+    r.rollback(n + 8)
     chains.append(r.propose(feats[-2:], toks[-2:], k=3))
     counts.append(r.n)
     return chains, counts
@@ -102,6 +107,7 @@ def test_native_chain_writes_the_float_cells_and_proposes_like_float(lib, case, 
     cfg, denoise = CASES[case], DENOISE[den]
     model = make_model(cfg)
     feats, toks = rows(cfg, 40, seed=1)
+    assert 2 <= NATIVE_MAX_ROWS < 8
     ref = float_runner(model, denoise)
     want, want_n = drive(ref, feats, toks)
     got = {}
