@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..calibration import machine_id
+from ..cpu_features import cpu_info
 from ..config import DenoiseConfig
 from .int8 import HEAD
 
@@ -71,7 +71,9 @@ def library_path(march: str | None = None) -> Path | None:
         return None
     march = march or _march()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cxx, *version, march, machine_id(0)]).encode()).hexdigest()[:16]
+    name, flags = cpu_info()  # -march=native builds for these: another CPU (or VM) gets its own build
+    parts = [SOURCE.read_text(), cxx, *version, march, name, *sorted(flags)]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return _cache_dir() / f"draft_step-{march}-{key}.so"
 
 

@@ -5,9 +5,11 @@ head rows of tokens seen in that text, ``draft/context_head.py``), so each seque
 its own, while the weights, the largest part of a draft step's memory traffic, are shared.  The slots'
 caches are views into one tensor per block, ``[n_slots, n_kv, positions, head_dim]``.
 
-The chains of the slots that draft together are drafted in one forward per depth: their rows go
-through the fusion, the blocks and the head as one batch (one read of the weights, one set of kernel
-launches on a GPU), each row attending to its own slot's cells.  The slots' queued real rows are read
+On a CPU with the native chain (``draft/native.py``), up to ``NATIVE_MAX_SLOTS`` slots draft one after
+another through it: k native steps cost less than one torch forward of the batch.  More slots, or a draft
+without it, draft together, in one forward per depth: their rows go through the fusion, the blocks and
+the head as one batch (one read of the weights, one set of kernel launches on a GPU), each row attending
+to its own slot's cells.  The slots' queued real rows are read
 first, in one forward too: slot b's m_b rows padded to the longest slot's.  The int8 layers quantize a
 batch's activations together, so a batched chain can differ from the one the slot would draft alone in
 a near-tie; a draft only proposes, so that changes acceptance at most, never the output.
@@ -30,13 +32,17 @@ import torch.nn.functional as F
 
 from ..config import DenoiseConfig
 from ..draft.context_head import ContextHead
-from ..draft.runner import DraftCache, DraftRunner
+from ..draft.runner import NATIVE_MAX_ROWS, DraftCache, DraftRunner
 from ..target.sequences import SequenceOptions, SequenceTarget
 
 FLUSH_ROWS = 1024  # real rows a slot may queue while it does not draft (7 MB of SmolLM2's taps); then they are read
 # rows a slot reads in the slots' shared forward; a longer backlog (a prompt, rows piled up between probes) is read
 # alone first, so that the other slots' few rows are not padded to its length
 TOGETHER_ROWS = 16
+# Up to this many slots draft one after another through the runner's native chain (draft/native.py) rather than
+# together in one torch forward per depth: measured on the default model and draft (2 threads, 2 queued rows a
+# slot, k=3), 0.9 against 3.8 ms for one slot and 3.8 against 5.6 ms for four.
+NATIVE_MAX_SLOTS = 4
 
 
 @dataclass
@@ -72,7 +78,9 @@ class SlotDrafts:
         self._v = v = [torch.zeros(shape, device=dev, dtype=dtype) for _ in range(cfg.n_blocks)]
         self._gates = gates = [torch.zeros(n_slots, cfg.max_positions, device=dev) for _ in range(cfg.n_blocks)]
         self._holes = holes = torch.zeros(n_slots, cfg.max_positions, device=dev)
-        self.batched = True  # slots that draft together share one forward per depth (False: one after another)
+        # slots that draft together share one forward per depth (False: one after another); with a native chain,
+        # up to NATIVE_MAX_SLOTS go one after another anyway
+        self.batched = True
         self.slots = [SlotDraft(DraftCache(k=[t[s:s + 1] for t in k], v=[t[s:s + 1] for t in v],
                                            log_gate=[g[s] for g in gates], holes=holes[s]),
                                 runner._head.fresh()) for s in range(n_slots)]
@@ -131,12 +139,14 @@ class SlotDrafts:
             return {}
         steady = max(self.slots[seq].queued for seq in ready) <= k + 2
         t0 = time.perf_counter()
-        if self.batched:
+        if self.batched and not (self.runner._native is not None and len(ready) <= NATIVE_MAX_SLOTS):
             out, depth_s = self._propose_together(ready, k)
-        else:  # each slot through the runner alone (tests compare the two)
+        else:  # each slot through the runner alone: its native chain, or the tests' comparison
             out, depth_s = {}, 0.0
             for seq in ready:
                 s = self.slots[seq]
+                if s.queued > NATIVE_MAX_ROWS:  # a backlog is read first, so that a depth's price is a depth's
+                    self._read(s, keep=1)
                 feats, tokens = self._take(s)
                 self._use(s)
                 n_real = s.cache.n + len(tokens)

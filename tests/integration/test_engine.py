@@ -358,24 +358,28 @@ def test_draft_model_chains_in_every_slot_keep_answers_and_logits_exact(model_pa
     assert differ <= 0.05 * (same + differ), (same, differ)
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["one-forward-per-depth", "slot-after-slot"])
-def test_slot_drafts_propose_what_a_draft_alone_proposes(model_path, prompts, batched):
+@pytest.mark.parametrize("batched,dtype", [(True, "float32"), (False, "float32"), (True, "int8-full")],
+                         ids=["one-forward-per-depth", "slot-after-slot", "native-chains"])
+def test_slot_drafts_propose_what_a_draft_alone_proposes(model_path, prompts, batched, dtype):
     """Two texts fed to two slots in turns, a reused prefix skipped in one: each slot's chains equal those of a
     draft that read only its own text (float32 weights: a batch of rows gives each row's own result), so no slot
-    sees another's cells or context rows, whether the slots draft in one forward per depth or one by one."""
+    sees another's cells or context rows, whether the slots draft in one forward per depth or one by one.  With
+    int8 weights on the CPU two slots draft slot by slot through the native chain (``NATIVE_MAX_SLOTS``),
+    pointed at each slot's cache in turn."""
     from hetero_spec.api import draft_taps
     from hetero_spec.target.sequences import Row
 
     opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
     with SequenceTarget(model_path, opts) as target:
         texts = [prompts[2], prompts[4]]
+        both = slot_drafts(target, 2, dtype=dtype)  # first: int8 weights are calibrated on the target's sequence 0
+        both.batched = batched
+        alone = [slot_drafts(target, 1, dtype=dtype) for _ in texts]
         feats = []
         for seq, ids in enumerate(texts):
             target.decode([Row(seq, t, p, True) for p, t in enumerate(ids)])
             feats.append(target.features())
-        both = slot_drafts(target, 2, dtype="float32")
-        both.batched = batched
-        alone = [slot_drafts(target, 1, dtype="float32") for _ in texts]
+    assert (both.runner._native is not None) == (dtype == "int8-full")
     skip = 3  # slot 1's first cells were reused from an earlier request: no features, skipped
     for seq in (0, 1):  # an earlier request in each slot leaves its cells behind: the other text, read whole
         other = 1 - seq
