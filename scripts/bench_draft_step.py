@@ -148,6 +148,10 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
     from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
     table = {**SETTINGS, **CUDA_SETTINGS}
+    if not names and device == "cpu" and native.load_library() is None:  # asked for by name, it fails clearly instead
+        click.echo("the native draft step did not build here (no C++ compiler with OpenMP): its settings are left out",
+                   err=True)
+        names = tuple(n for n in SETTINGS if not SETTINGS[n].native)
     names = names or tuple(CUDA_SETTINGS if device == "cuda" else SETTINGS)
     with LlamaTarget(model, TargetOptions(n_ctx=4096, n_threads=target_threads, embeddings=True,
                                           taps=draft_taps(draft))) as target:

@@ -61,7 +61,9 @@ def _march() -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("HETERO_SPEC_CACHE", Path.home() / ".cache" / "hetero-spec")) / "native"
+    """``native/`` under hetero-spec's cache (``$HETERO_SPEC_CACHE``, else ``hetero-spec`` under ``$XDG_CACHE_HOME``)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    return Path(os.environ.get("HETERO_SPEC_CACHE") or os.path.join(xdg, "hetero-spec")) / "native"
 
 
 def library_path(march: str | None = None) -> Path | None:
