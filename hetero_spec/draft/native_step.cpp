@@ -1,13 +1,15 @@
-// The draft's greedy chain on the CPU in one native call: k draft steps, each the fusion, the blocks,
-// the final norm and the head's argmax, with no Python or torch dispatch between them.
+// The draft's greedy chain on the CPU in one native call: the round's real rows, then k draft steps, each
+// the fusion, the blocks, the final norm and the head's argmax, with no Python or torch dispatch between them.
 //
 // WHY: a torch draft step is about 250 small kernel calls (2-4 us of dispatch each) around 9 matrix-vector
-// products, so on a 2-core CPU the calls, not the 9 MB of weights, set its 1.5-2 ms.  Here every matrix is
-// int8 with one float scale per output row and is multiplied by the float activation row as it is (no
-// activation quantization, so the target features' outlier channels cost nothing); the loops are plain
-// C++ vectorized by the compiler for the CPU it is built on (-march, see native.py), and rows are split
-// across OpenMP threads.  The arithmetic is DraftRunner._forward_one's and RescoredInt8Head.best's; only
-// the rounding differs (int8 weights), and the head's best rows are rescored exactly in float as there.
+// products, so on a 2-core CPU the calls, not the 9 MB of weights, set its 1.3-1.9 ms.  Here every matrix is
+// int8 with one float scale per output row.  Its activation row is quantized to int8 too (one scale per row,
+// after SmoothQuant's per-channel scales) and multiplied with the instruction set's integer dot product,
+// except in the layers that read the target's raw states (the taps' fc, the fusion's first layer), whose
+// outlier channels a row of 255 levels cannot hold: those multiply the float row.  Rows of a matrix are split
+// across OpenMP threads (one pool with llama.cpp's, whose threads wait while the draft runs).  The arithmetic
+// is DraftRunner._forward_one's (and _blocks' for several real rows) and RescoredInt8Head.best's; only the
+// rounding differs, and the head's best rows are rescored exactly in float as there.
 //
 // Built by hetero_spec/draft/native.py with: g++ -O3 -march=<native|x86-64-v3|...> -fopenmp -shared -fPIC
 #include <cmath>
