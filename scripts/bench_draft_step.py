@@ -191,7 +191,7 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
     for n in names:
         r = runners[n]
         back, after = (statistics.median(times[n][w]) * 1e3 for w in ("back", "after"))
-        weights = r.weights if r._native is None else f"{r.weights} native {native.kernel_name(r._native.lib)}"
+        weights = r.weights if r.step_kind == "torch" else f"{r.weights} {r.step_kind}"
         out[n] = dict(weights=weights, device=table[n].device, threads=table[n].threads, ms_per_step=back, ms_per_step_after_target=after,
                       equal_k1=equal[n][0], equal_chain=equal[n][1], positions=span, k=k)
         click.echo(f"{n:13s} {weights:13s} {back:6.3f} ms/step back to back, {after:6.3f} after a target decode; "

@@ -60,15 +60,15 @@ def _march() -> str:
     return os.environ.get("HETERO_SPEC_NATIVE_MARCH", "native")
 
 
-def _cache_dir() -> Path:
-    """``native/`` under hetero-spec's cache (``$HETERO_SPEC_CACHE``, else ``hetero-spec`` under ``$XDG_CACHE_HOME``)."""
-    xdg = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    return Path(os.environ.get("HETERO_SPEC_CACHE") or os.path.join(xdg, "hetero-spec")) / "native"
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
 
 
 def library_path(march: str | None = None) -> Path | None:
     """Where the library for this source, compiler, target and CPU is (or would be) cached; None: no compiler."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    from ..target.gguf_weights import cache_dir  # hetero-spec's cache root (gguf only, no llama.cpp)
+
+    cxx = _compiler()
     if cxx is None:
         return None
     march = march or _march()
@@ -76,7 +76,7 @@ def library_path(march: str | None = None) -> Path | None:
     name, flags = cpu_info()  # -march=native builds for these: another CPU (or VM) gets its own build
     parts = [SOURCE.read_text(), cxx, *version, march, name, *sorted(flags)]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return _cache_dir() / f"draft_step-{march}-{key}.so"
+    return cache_dir() / "native" / f"draft_step-{march}-{key}.so"
 
 
 def build(march: str | None = None) -> Path | None:
@@ -85,11 +85,10 @@ def build(march: str | None = None) -> Path | None:
     if path is None or path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     # -fno-math-errno: expf may then be vectorized (the p-min softmax over the head's rows)
-    cmd = [cxx, "-O3", f"-march={march or _march()}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17",
+    cmd = [_compiler(), "-O3", f"-march={march or _march()}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17",
            str(SOURCE), "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
