@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # concrete types only for readers; the boundary stays clean a
 CURVE_VERSION = 1
 # Bumped when the draft runtime's step cost changes, so that a curve cached with a draft is measured again
 # rather than pricing the draft at its old cost (v2: weight-only int8 fusion, the one-position forward and
-# the target's threads for the draft; v3: the native greedy chain, draft/native.py; docs/bench.md).  Curves
-# without a draft keep their key.
-DRAFT_STEP_VERSION = 3
+# the target's threads for the draft; v3: the native greedy chain, draft/native.py; v4: its int4 head and
+# prefetching; docs/bench.md).  Curves without a draft keep their key.
+DRAFT_STEP_VERSION = 4
 MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
 PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
 _FILLER = (

@@ -2,7 +2,9 @@
 
 WHY: a torch draft step on the CPU is about 250 kernel calls around 9 matrix-vector products, and on a
 2-core machine their dispatch (2-4 us each), not the 9 MB of int8 weights, set the step's 1.5-2 ms
-(scripts/bench_draft_step.py).  The native chain runs k steps and their head argmaxes in one call.
+(scripts/bench_draft_step.py).  The native chain runs k steps and their head argmaxes in one call.  Its head,
+half of those bytes, is int4 (its best 16 rows rescored in float): right after a target decode the weights
+come from memory, where bytes cost most (docs/bench.md, "The draft step").
 
 Built with the system's C++ compiler (``g++``, or ``$CXX``) and OpenMP, for the host CPU
 (``-march=native``; ``HETERO_SPEC_NATIVE_MARCH`` picks another target, which is how the tests cover the
@@ -33,11 +35,15 @@ from .int8 import HEAD
 
 SOURCE = Path(__file__).with_name("native_step.cpp")
 MAX_RESCORE = 64  # native_step.cpp's top-row buffer
+# the head's best rows rescored in float, by head precision: on the shipped draft's held-out features the float
+# argmax was among the int8 head's best 4 and the int4 head's best 16 on every one of about 900 steps
+RESCORE = {8: 8, 4: 16}
 
 
 class _QMat(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("wsum", ctypes.c_void_p),
-                ("inv_smooth", ctypes.c_void_p), ("out", ctypes.c_int32), ("in_", ctypes.c_int32), ("act_q", ctypes.c_int32)]
+                ("inv_smooth", ctypes.c_void_p), ("out", ctypes.c_int32), ("in_", ctypes.c_int32), ("act_q", ctypes.c_int32),
+                ("bits", ctypes.c_int32)]
 
 
 class _Block(ctypes.Structure):
@@ -118,6 +124,8 @@ def _load(march: str) -> ctypes.CDLL | None:
     lib.draft_chain.argtypes = [ctypes.POINTER(_Model), p, i32, p, p, p, i32, i32, p, i32, p, i32, ctypes.c_float, p,
                                 ctypes.POINTER(i32)]
     lib.kernel_name.restype = ctypes.c_char_p
+    lib.head_logits.restype = None
+    lib.head_logits.argtypes = [ctypes.POINTER(_Model), p, p, i32]
     return lib
 
 
@@ -143,8 +151,11 @@ class NativeChain:
     runner's DraftCache (float32, written in place, so torch and native steps share it)."""
 
     def __init__(self, lib: ctypes.CDLL, model, cache, denoise: DenoiseConfig, threads: int,
-                 smooth: dict[str, torch.Tensor] | None = None, rescore: int = 8, quantize_activations: bool = True) -> None:
-        """``quantize_activations`` False: every layer keeps float activations (slower; the tests' exact reference)."""
+                 smooth: dict[str, torch.Tensor] | None = None, quantize_activations: bool = True,
+                 head_bits: int | None = None, rescore: int | None = None) -> None:
+        """``quantize_activations`` False: every layer keeps float activations (slower; the tests' exact reference).
+        ``head_bits``: 4 (the default with quantized activations) or 8; ``rescore``: how many of the head's best
+        rows are rescored in float (default ``RESCORE[head_bits]``)."""
         self.lib, self.threads = lib, threads
         self._smooth = smooth or {}
         self._act_q = quantize_activations
@@ -175,9 +186,15 @@ class NativeChain:
         m.final_norm = self._f32(model.norm.weight) if model.norm is not None else None
         if model.out_proj is not None:
             m.out_proj = self._q(model.out_proj, "out_proj")
-        m.head = self._qw(model.head, None, self._smooth.get(HEAD), act_q=self._act_q)
+        self.head_bits = head_bits or (4 if quantize_activations else 8)
+        if self.head_bits == 4 and not quantize_activations:
+            raise ValueError("an int4 head multiplies quantized activations")
+        if self.head_bits == 4:
+            m.head = self._q4(model.head)
+        else:
+            m.head = self._qw(model.head, None, self._smooth.get(HEAD), act_q=self._act_q)
         m.head_f32 = self._f32(model.head)
-        m.rescore = min(rescore, MAX_RESCORE, model.head.shape[0])
+        m.rescore = min(rescore or RESCORE[self.head_bits], MAX_RESCORE, model.head.shape[0])
         blocks = (_Block * cfg.n_blocks)()
         for i, blk in enumerate(model.blocks):
             b = blocks[i]
@@ -226,6 +243,28 @@ class NativeChain:
                     int(act_q))
         if bias is not None:
             out.bias = self._f32(bias)
+        return out
+
+    def _q4(self, weight: torch.Tensor) -> _QMat:
+        """Per-output-row symmetric int4 (scale = absmax / 7), packed as ``dot_q4`` in native_step.cpp reads it:
+        the row padded with zeros to blocks of 64, block b's byte i holding weights 64b+i (low nibble) and
+        64b+32+i (high), each plus 8.  Activations are quantized, without SmoothQuant's scales: folded into the
+        weights they widen a row's range, and at 16 levels that lost the float argmax on 1% of steps."""
+        w = weight.detach().float()
+        out, n = w.shape
+        scale = (w.abs().amax(dim=1) / 7.0).clamp_min(1e-12).contiguous()
+        q = (torch.round(w / scale[:, None]).clamp(-8, 7) + 8).to(torch.uint8)
+        blocks = (n + 63) // 64
+        q = torch.nn.functional.pad(q, (0, blocks * 64 - n), value=8).reshape(out, blocks, 2, 32)
+        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()  # [out, blocks, 32]
+        self._keep += [packed, scale]
+        return _QMat(packed.data_ptr(), scale.data_ptr(), None, None, None, out, n, 1, 4)
+
+    def head_logits(self, feat: torch.Tensor) -> torch.Tensor:
+        """The head's int4 or int8 logits of one feature [n_embd], before rescoring (the tests' view of the kernel)."""
+        feat = feat.detach().float().contiguous()
+        out = torch.empty(self._model.head.out, dtype=torch.float32)
+        self.lib.head_logits(ctypes.byref(self._model), feat.data_ptr(), out.data_ptr(), self.threads)
         return out
 
     def _q(self, linear: torch.nn.Linear, name: str | None = None) -> _QMat:

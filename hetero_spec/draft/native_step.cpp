@@ -9,7 +9,8 @@
 // outlier channels a row of 255 levels cannot hold: those multiply the float row.  Rows of a matrix are split
 // across OpenMP threads (one pool with llama.cpp's, whose threads wait while the draft runs).  The arithmetic
 // is DraftRunner._forward_one's (and _blocks' for several real rows) and RescoredInt8Head.best's; only the
-// rounding differs, and the head's best rows are rescored exactly in float as there.
+// rounding differs, and the head's best rows are rescored exactly in float as there.  The head, half of the
+// weights read per step, may be int4 (native.py's default): its argmax is rescored from more rows instead.
 //
 // Built by hetero_spec/draft/native.py with: g++ -O3 -march=<native|x86-64-v3|...> -fopenmp -shared -fPIC
 #include <cmath>
@@ -31,6 +32,7 @@ struct QMat {            // y = (W x) * scale + bias, W [out, in] int8 row-major
     const float* inv_smooth;  // [in] or null: x times this first (SmoothQuant's 1/s, W holding W diag(s); or tap_scale)
     int32_t out, in;
     int32_t act_q;        // 1: the activation row is quantized to int8 too (integer dot products), 0: stays float
+    int32_t bits;         // 4: w holds packed int4 rows (the head; see dot_q4), otherwise int8
 };
 
 struct Block {
@@ -65,7 +67,7 @@ struct Model {
     const float* emb_norm;    // dgf's norm of e
     const float* final_norm;  // [hidden] or null
     QMat out_proj;            // w == null: none
-    QMat head;                // [n_head, n_embd] int8
+    QMat head;                // [n_head, n_embd] int8, or int4 (bits 4: half the bytes; its best rows are rescored)
     const float* head_f32;    // [n_head, n_embd]: the rows rescored exactly
     int32_t rescore;
     const Block* blocks;
@@ -75,6 +77,22 @@ struct Model {
 }  // extern "C"
 
 namespace {
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 4096
+#endif
+
+// Ask for the weight bytes that a thread reads PREFETCH_BYTES later.  WHY: right after a target decode the draft's
+// weights come from memory, and the hardware prefetcher stops at every 4 KB page; asking ahead took the int4
+// head's read from 0.40 to 0.35 ms on the 2-vCPU development VM (back to back, from cache, it barely matters).
+inline void prefetch_ahead(const void* row, size_t bytes, const void* end) {
+#if defined(__x86_64__)
+    const char* p = (const char*)row + PREFETCH_BYTES;
+    for (size_t o = 0; o < bytes && p + o < (const char*)end; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+#else
+    (void)row; (void)bytes; (void)end;
+#endif
+}
 
 // Y[i] = W X[i] (+ bias) for ``rows`` activation rows (X [rows, in], Y [rows, out]): every weight row is read
 // once for all of them, so reading m real rows costs little more than one.
@@ -87,6 +105,7 @@ void matmul_float(const QMat& m, const float* X, int rows, float* Y, int nt) {
     for (int g = 0; g < groups; ++g) {
         const int r = 4 * g;
         const int8_t* w0 = m.w + (size_t)r * in;
+        prefetch_ahead(w0, 4 * (size_t)in, m.w + (size_t)out * in);
         const int8_t *w1 = w0 + in, *w2 = w1 + in, *w3 = w2 + in;
         for (int i = 0; i < rows; ++i) {
             const float* x = X + (size_t)i * in;
@@ -177,9 +196,80 @@ void quantize_row(const QMat& m, const float* x, QAct& a, std::vector<float>& tm
     }
 }
 
+// The int32 dot product of one packed int4 row with a quantized activation row q, both padded to whole blocks
+// of 64 inputs (the padding: weight 0, activation 0).  Block b of a row is 32 bytes: byte i holds weight
+// 64b+i in its low nibble and weight 64b+32+i in its high one, each stored as w + 8 (0..15), so the unsigned
+// x signed dot products give sum (w + 8) q, which the caller corrects by 8 x sum q.  Unpacking a block takes
+// a shift and two ands; the loads halve.
+inline int32_t dot_q4(const uint8_t* w, const int8_t* q, int blocks) {
+    int32_t acc = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m512i a = _mm512_setzero_si512();
+    for (int b = 0; b < blocks; ++b) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * b));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        a = _mm512_dpbusd_epi32(a, wv, _mm512_loadu_si512(q + 64 * b));
+    }
+    acc = _mm512_reduce_add_epi32(a);
+#elif defined(__AVX2__)
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i a = _mm256_setzero_si256();
+    for (int b = 0; b < blocks; ++b) {  // u8 <= 15 x s8 pairs: at most 2 x 2 x 15 x 127 per int16 lane, no saturation
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * b));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(q + 64 * b))),
+                                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 64 * b + 32))));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
+    }
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    acc = _mm_cvtsi128_si32(s);
+#else
+    for (int b = 0; b < blocks; ++b)
+        for (int i = 0; i < 32; ++i) {
+            const int byte = w[32 * b + i];
+            acc += (byte & 15) * q[64 * b + i] + (byte >> 4) * q[64 * b + 32 + i];
+        }
+#endif
+    return acc;
+}
+
+// Y = W X for an int4 matrix (bits 4): each activation row quantized as for int8, padded with zeros.
+void matmul_q4(const QMat& m, const float* X, int rows, float* Y, int nt, std::vector<float>& tmp) {
+    const int blocks = (m.in + 63) / 64;
+    thread_local std::vector<QAct> acts;
+    thread_local std::vector<int32_t> qsum;
+    if ((int)acts.size() < rows) acts.resize(rows);
+    qsum.resize(rows);
+    for (int i = 0; i < rows; ++i) {
+        quantize_row(m, X + (size_t)i * m.in, acts[i], tmp);
+        acts[i].q.resize((size_t)blocks * 64, 0);  // quantize_row sized it to m.in: the padding is zeros
+        int32_t sum = 0;
+        for (int t = 0; t < m.in; ++t) sum += acts[i].q[t];
+        qsum[i] = sum;
+    }
+    const QAct* A = acts.data();
+    const int32_t* QS = qsum.data();
+    const uint8_t* W = (const uint8_t*)m.w;
+    const size_t stride = (size_t)blocks * 32;
+    const uint8_t* end = W + stride * m.out;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int r = 0; r < m.out; ++r) {
+        const uint8_t* w = W + (size_t)r * stride;
+        prefetch_ahead(w, stride, end);
+        for (int i = 0; i < rows; ++i)
+            Y[(size_t)i * m.out + r] = (float)(dot_q4(w, A[i].q.data(), blocks) - 8 * QS[i]) * A[i].scale * m.scale[r];
+    }
+}
+
 void matmul(const QMat& m, const float* X, int rows, float* Y, int nt) {
     thread_local std::vector<float> tmp;
-    if (!m.act_q) {
+    if (m.bits == 4) {
+        matmul_q4(m, X, rows, Y, nt, tmp);
+    } else if (!m.act_q) {
         if (m.inv_smooth) {  // a fixed per-channel input scale (the taps' tap_scale), applied to the float rows
             thread_local std::vector<float> xs;
             xs.resize((size_t)rows * m.in);
@@ -193,9 +283,11 @@ void matmul(const QMat& m, const float* X, int rows, float* Y, int nt) {
         if ((int)acts.size() < rows) acts.resize(rows);
         for (int i = 0; i < rows; ++i) quantize_row(m, X + (size_t)i * m.in, acts[i], tmp);
         const QAct* A = acts.data();
+        const int8_t* end = m.w + (size_t)m.out * m.in;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
         for (int r = 0; r < m.out; ++r) {
             const int8_t* w = m.w + (size_t)r * m.in;
+            prefetch_ahead(w, m.in, end);
             for (int i = 0; i < rows; ++i)
                 Y[(size_t)i * m.out + r] =
                     (float)dot_i8(w, A[i].q.data(), A[i].u.data(), m.wsum[r], m.in) * A[i].scale * m.scale[r];
@@ -478,6 +570,11 @@ int32_t draft_chain(const Model* M, const float* G, int32_t rows, const int64_t*
         ++written;
     }
     return written;
+}
+
+// The head's logits (before rescoring) of one feature: how the tests check the int4 and int8 kernels' arithmetic.
+void head_logits(const Model* M, const float* feat, float* out, int32_t threads) {
+    matmul(M->head, feat, 1, out, threads);
 }
 
 // The integer dot-product kernel this build took (the tests check each -march they build gets its own).

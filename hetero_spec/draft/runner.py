@@ -239,8 +239,10 @@ class DraftRunner:
 
     @property
     def step_kind(self) -> str:
-        """How a greedy chain runs: ``native <kernel>`` (one C++ call, native.py) or ``torch``."""
-        return "torch" if self._native is None else f"native {native.kernel_name(self._native.lib)}"
+        """How a greedy chain runs: ``native <kernel>, int<bits> head`` (one C++ call, native.py) or ``torch``."""
+        if self._native is None:
+            return "torch"
+        return f"native {native.kernel_name(self._native.lib)}, int{self._native.head_bits} head"
 
     @property
     def int8_check(self) -> Int8Check | None:

@@ -10,6 +10,7 @@ on a collective the others left.  N ranks with ``--grad-accum 1`` take the steps
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -237,7 +238,8 @@ def train(
             (work / "history.json").write_text(json.dumps(state["history"]))
             _plot_history(state["history"], work / "training.png")
     if owns_group:
-        torch.distributed.destroy_process_group()
+        runner = None  # DDP and its reducer go before the group they reduce over (_leave_group)
+        _leave_group()
     return summary
 
 
@@ -531,6 +533,17 @@ def _agree(out_of_time: bool, stop_requested: bool, device: torch.device) -> tup
                          device=device)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     return bool(flags[0]), bool(flags[1])
+
+
+def _leave_group() -> None:
+    """Every rank waits for rank 0's writes, collects the caller's dropped DDP wrapper, then destroys the group.
+
+    WHY: a rank that destroyed the group while its DDP reducer still held it (freed later, by the
+    interpreter's last garbage collection) aborted at exit now and then ("terminate called without an
+    active exception"), failing a run whose draft was already written."""
+    torch.distributed.barrier()
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def _ddp(runner: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -241,3 +241,37 @@ def test_a_greedy_tree_of_width_one_is_the_native_chain_with_p_min(lib):
         assert got[0] == got[1]
         lengths.append(len(got[1][0]) - 1)
     assert min(lengths) < 5 and max(lengths) > 1  # p-min cut some chains short, not all at once
+
+
+@pytest.mark.parametrize("width", [80, 128])
+def test_head_kernels_compute_the_dot_products_of_their_grids(lib, width):
+    """The head's logits before rescoring.  With each head row on its int4 (or int8) grid and the feature on its
+    int8 grid, both kernels lose nothing: every logit equals the float64 product (to float32 rounding).  80
+    wide pads the int4 rows' second block of 64; a swapped nibble, block or sign would be off by whole units."""
+    model = init_weights(DraftModel(replace(CFG, n_embd=width, hidden_size=width)), 0).float().eval()
+    model.attach_target_weights(torch.randn(V, width), torch.randn(V, width))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for bits, levels in ((4, 7), (8, 127)):
+            steps = torch.rand(model.head.shape[0], 1, generator=gen) + 0.1
+            grid = torch.randint(-levels, levels + 1, model.head.shape, generator=gen).float()
+            grid[:, 0] = levels  # each row's absmax on the grid's edge: its scale is exactly the step
+            model.head.copy_(grid * steps)
+            feat = torch.randint(-127, 128, (width,), generator=gen).float() * 0.03
+            feat[1] = 127 * 0.03
+            want = (model.head.double() @ feat.double()).float()
+            for threads in (1, 2):
+                chain = native.NativeChain(lib, model, None, DenoiseConfig(), threads=threads, head_bits=bits)
+                assert chain.head_bits == bits
+                torch.testing.assert_close(chain.head_logits(feat), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_int4_head_is_the_default_and_needs_quantized_activations(lib):
+    """The runtime's chain reads an int4 head (half the bytes of the step's largest matrix) and rescores more rows;
+    the exact float-activation reference keeps int8, and asking for int4 there is refused."""
+    model = make_model(CFG)
+    assert native.NativeChain(lib, model, None, DenoiseConfig(), threads=1).head_bits == 4
+    exact = native.NativeChain(lib, model, None, DenoiseConfig(), threads=1, quantize_activations=False)
+    assert exact.head_bits == 8 and exact._model.rescore == native.RESCORE[8] < native.RESCORE[4]
+    with pytest.raises(ValueError, match="quantized activations"):
+        native.NativeChain(lib, model, None, DenoiseConfig(), threads=1, quantize_activations=False, head_bits=4)
