@@ -312,6 +312,8 @@ class HeteroSpec:
              cancel: Callable[[], bool] | None = None, suffix: SuffixCache | None = None) -> Iterator[str]:
         t0 = time.perf_counter()
         policy = self._policy(cfg, suffix is not None)
+        if isinstance(policy, AutoPolicy):
+            policy.new_text()
         if suffix is not None and suffix.config.max_nodes > self.max_drafts:
             # a suffix tree has up to ``max_nodes`` nodes: the request reads the cache's config when it starts,
             # so the cap is in force for it only and the caller's cache keeps its own

@@ -144,6 +144,12 @@ class AcceptanceStats:
         self.reached[1] += 1.0
         self.accepted[1] += p_accept
 
+    def forget(self, keep: float) -> None:
+        """Keep ``keep`` of the evidence (0: back to the prior), as ``decay`` does over rounds."""
+        self.version += 1
+        self.reached = [r * keep for r in self.reached]
+        self.accepted = [a * keep for a in self.accepted]
+
     def alpha(self, d: int) -> float:
         a0, b0 = self._priors[d]
         return (self.accepted[d] + a0) / (self.reached[d] + a0 + b0)
@@ -262,6 +268,13 @@ class Backoff:
         return self.gap - self.streak
 
 
+# The share of the draft's acceptance evidence a new request starts with.  Acceptance differs more between
+# prompts than within one: the shipped darter's first mt_bench prompt left depth 1 at 0.2, which kept the
+# draft off through the whole next prompt, where the fixed chain ran at 1.29x (auto 1.21x, on lookup).
+# With a quarter kept, auto on mt_bench went from 1.07x to 1.18x, the fixed chain's figure in the same
+# run (SmolLM2 Q4_0, 2 threads, docs/bench.md); with none kept, a user's bad domain would cost every request
+# its first rounds.
+NEW_TEXT_KEEP = 0.25
 BREAK_EVEN_BAND = 0.95  # drafting estimated at least this fraction of plain speed keeps probes frequent
 # Draft probes back off only while their modelled draft forwards cost more than this share of the plain
 # rounds between them.  On the scale-10 target (a step 0.03 t(1)) the gap then stays at 16-25 rounds:
@@ -473,6 +486,14 @@ class AutoPolicy:
         almost nothing, so probing stays frequent; far below it, the gap doubles."""
         rate = self._best_drafted(self.width, self.total, self.cost.drafted_scale)[1]
         return rate >= BREAK_EVEN_BAND / round_cost_ms(self.curve, Shape(0))
+
+    def new_text(self) -> None:
+        """A request starts: the draft's statistics keep ``NEW_TEXT_KEEP`` of their evidence, and its probes
+        are due at the first gap again.  The statistics still persist across requests (a draft that fails on
+        a user's domain stays off after a few rounds), but one text's streak no longer decides the next."""
+        self.stats.forget(NEW_TEXT_KEEP)
+        self._best_shape = None
+        self._draft_probe.reset()
 
     def expects_drafting(self) -> bool:
         """Whether the draft model is expected to run soon (it then needs the prompt's rows)."""
