@@ -215,6 +215,7 @@ class HeteroSpec:
         suffix: bool | None = None,
         suffix_cache: SuffixCache | None = None,
         cancel: Callable[[], bool] | None = None,
+        draft_model: bool = True,
         _templated: bool = False,
     ) -> Completion | TextStream:
         """Generate; greedy output is identical to the target alone, sampled output follows its distribution.
@@ -229,12 +230,17 @@ class HeteroSpec:
         draft model (which then needs none: ``"auto"`` runs plain rounds and copies), off with one.  With ``stream``
         the result is an iterator of text pieces whose ``stats`` fill in.  ``cancel``: asked after
         every round; True ends the generation there (stop reason ``"cancelled"``, no held-back
-        tail), so a server whose client left frees the model within one round.
+        tail), so a server whose client left frees the model within one round.  ``draft_model`` False: with
+        ``"auto"``, the loaded draft model is left out and only the copy sources draft (lookup-only).
         """
+        if not draft_model and draft_len != "auto":
+            raise HeteroSpecError("leaving the draft model out (draft_model=False) needs draft_len 'auto'")
         suffix = self.draft is None if suffix is None else suffix
         copies = draft_len == "auto" and (suffix or lookup)  # sources that need no draft model
-        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if self.draft or copies else 0, stop=tuple(stop),
-                         sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup)
+        model = self.draft is not None and draft_model
+        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if model or copies else 0, stop=tuple(stop),
+                         sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup,
+                         draft_model=draft_model)
         cfg = self._clamp(cfg)
         tokens = self._prompt_tokens(prompt, _templated)
         stats = RunStats(prompt_tokens=len(tokens), kernels=self.target.kernels)
@@ -249,7 +255,8 @@ class HeteroSpec:
     def _policy(self, cfg: SpecConfig, suffix: bool = False):
         """None for the plain chain path; a fixed tree; or auto sizing over chains or trees (without a
         draft model: over the copy sources alone, prompt lookup or the suffix structure)."""
-        if cfg.draft_len == 0 or (self.draft is None and cfg.draft_len != "auto"):
+        model = self.draft is not None and cfg.draft_model
+        if cfg.draft_len == 0 or (not model and cfg.draft_len != "auto"):
             return None
         tree = cfg.tree
         if cfg.draft_len != "auto":
@@ -258,12 +265,12 @@ class HeteroSpec:
         key = (*((tree.top_k, min(tree.total_tokens, cap), tree.depth) if tree else (1, 0, min(AUTO_MAX_CHAIN, cap))),
                min(AUTO_LOOKUP_DEPTH, cap) if cfg.lookup and not suffix else 0,
                min(AUTO_SUFFIX_DEPTH, cap) if suffix else 0)
-        if self.draft is None:
+        if not model:
             key = (1, 0, 0, *key[3:])  # max_depth 0: no draft model
         if key not in self._auto:
             from .draft.checkpoint import read_held_out_acceptance
 
-            prior = read_held_out_acceptance(self.draft_path) if self.draft_path is not None else ()
+            prior = read_held_out_acceptance(self.draft_path) if model and self.draft_path is not None else ()
             self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2],
                                          lookup_depth=key[3], suffix_depth=key[4], prior_alphas=prior,
                                          suffix_nodes=min(self.suffix_cache.config.max_nodes, max(1, cap)))
@@ -329,7 +336,7 @@ class HeteroSpec:
                    suffix: SuffixCache | None, policy, t0: float) -> Iterator[str]:
         stats, target = ts.stats, self.target
         text = TextAssembler(target.piece, cfg.stop)
-        steps = generate_tokens(target, self.draft, tokens, max_new_tokens=cfg.max_new_tokens,
+        steps = generate_tokens(target, self.draft if cfg.draft_model else None, tokens, max_new_tokens=cfg.max_new_tokens,
                                 draft_len=1 if cfg.draft_len == "auto" else cfg.draft_len,
                                 sampling=cfg.sampling, policy=policy, p_min=cfg.p_min, suffix=suffix)
         try:

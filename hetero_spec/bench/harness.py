@@ -99,6 +99,9 @@ register(Method("auto", "hetero-spec --draft-len auto: draft-model or prompt-loo
 register(Method("auto-suffix", "hetero-spec --draft-len auto --suffix: the draft model (if any) and trees from the "
                                "suffix structure over the prompt, the output and this method's earlier outputs",
                 lambda c: c.own(SuffixRun(c.hs, draft_len="auto")), speculative=True))
+register(Method("auto-lookup", "hetero-spec --draft-len auto with the draft model left out: prompt-lookup chains "
+                               "only (the runtime's lookup-only, beside the draft in the same run)",
+                lambda c: c.hetero_run(draft_len="auto", draft_model=False), speculative=True))
 register(Method("auto-nolookup", "hetero-spec --draft-len auto --no-lookup: the draft model only",
                 lambda c: c.hetero_run(draft_len="auto", lookup=False), needs_draft=True, speculative=True))
 register(Method("tree", "hetero-spec dynamic tree of a fixed shape (--tree-tokens/-depth/-top-k)",

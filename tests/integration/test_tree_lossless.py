@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hetero_spec.calibration import CostCurve
-from hetero_spec.config import TreeSpec
+from hetero_spec.config import SpecConfig, TreeSpec
+from hetero_spec.errors import HeteroSpecError
 from hetero_spec.spec.orchestrator import CATCHUP_ROWS, generate_tokens
 from hetero_spec.spec.lookup import NgramLookup
 from hetero_spec.spec.policy import AutoPolicy, FixedPolicy, Shape
@@ -468,3 +469,29 @@ def test_sampled_generation_is_reproducible_and_tree_paths_run(hs):
                 tree=TreeSpec(total_tokens=8, depth=4, top_k=2))
     assert a.tokens == b.tokens and len(a.tokens) == 20
     assert c.tokens != a.tokens and c.stats.rounds and max(r.drafted for r in c.stats.rounds) > 2
+
+
+def test_auto_without_its_draft_model_drafts_by_lookup_alone_and_equals_plain(hs):
+    """``draft_model=False`` (the bench's ``auto-lookup``): auto with a draft loaded but left out sizes its rounds
+    without a draft model (no depth, no prior, no probes), drafts from prompt lookup only, never asks the draft
+    for a proposal, and still gives the plain output; a fixed chain without the model is refused."""
+    prompt = hs.target.tokenize(hs.render([{"role": "user", "content": REPEAT}]), add_special=False)
+    hs.reset()
+    plain = hs.generate(prompt, max_new_tokens=48, draft_len=0).tokens
+    assert hs._policy(SpecConfig(draft_len="auto")).max_depth > 0
+    assert hs._policy(SpecConfig(draft_len="auto", draft_model=False)).max_depth == 0
+    asked = []
+    originals = {name: getattr(hs.draft, name) for name in ("propose", "propose_tree", "prefill")}
+    for name, fn in originals.items():
+        setattr(hs.draft, name, lambda *a, _fn=fn, _name=name, **k: asked.append(_name) or _fn(*a, **k))
+    try:
+        out = hs.generate(prompt, max_new_tokens=48, draft_len="auto", draft_model=False)
+    finally:
+        for name, fn in originals.items():
+            setattr(hs.draft, name, fn)
+    assert out.tokens == plain
+    drafted = [r for r in out.stats.rounds if r.drafted]
+    assert drafted and all(r.source == "lookup" and r.shadow == 0 for r in drafted)
+    assert sum(r.bytes_to_draft for r in out.stats.rounds) == 0 and asked == []
+    with pytest.raises(HeteroSpecError, match="draft_len 'auto'"):
+        hs.generate(prompt, max_new_tokens=8, draft_len=3, draft_model=False)
