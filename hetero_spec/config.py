@@ -279,15 +279,13 @@ class SpecConfig:
     lookup: bool = True
     # With draft_len "auto": False leaves the draft model out, so auto drafts from the copy sources alone
     # (prompt lookup, or the suffix structure), as without a draft file: lookup-only, for comparison.
+    # HeteroSpec.generate refuses it with a fixed draft_len (a fixed chain is the draft model's).
     draft_model: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be at least 1")
         object.__setattr__(self, "draft_len", parse_draft_len(self.draft_len))
-        if not self.draft_model and self.draft_len not in ("auto", 0):
-            raise ConfigError("leaving the draft model out (draft_model=False) needs draft_len 'auto': a fixed "
-                              "chain is the draft model's")
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
             raise ConfigError(f"draft p-min must be in [0, 1), not {self.draft_p_min}")
 

@@ -137,6 +137,16 @@ void matmul_float(const QMat& m, const float* X, int rows, float* Y, int nt) {
     }
 }
 
+#if defined(__AVX2__)
+// The sum of a vector's eight int32 lanes (the AVX2 kernels' final reduction).
+inline int32_t hsum_epi32(__m256i a) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    s = _mm_hadd_epi32(s, s);
+    s = _mm_hadd_epi32(s, s);
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
 // The int32 dot product of one int8 weight row with the quantized activation: q (signed, |q| <= 127) and
 // u = q + 128 (unsigned, for vpdpbusd, whose u8 x s8 products are corrected by 128 x the row's weight sum).
 // One kernel per instruction set, picked at compile time by -march (native.py builds the host's).
@@ -160,10 +170,7 @@ inline int32_t dot_i8(const int8_t* w, const int8_t* q, const uint8_t* u, int32_
         const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(wv, qv));
         a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    acc = _mm_cvtsi128_si32(s);
+    acc = hsum_epi32(a);
 #else
     (void)u; (void)wsum;
 #endif
@@ -223,10 +230,7 @@ inline int32_t dot_q4(const uint8_t* w, const int8_t* q, int blocks) {
                                            _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(q + 64 * b + 32))));
         a = _mm256_add_epi32(a, _mm256_madd_epi16(p, ones));
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    acc = _mm_cvtsi128_si32(s);
+    acc = hsum_epi32(a);
 #else
     for (int b = 0; b < blocks; ++b)
         for (int i = 0; i < 32; ++i) {
