@@ -41,6 +41,9 @@ CURVE_VERSION = 1
 # the target's threads for the draft; v3: the native greedy chain, draft/native.py; v4: its int4 head and
 # prefetching; docs/bench.md).  Curves without a draft keep their key.
 DRAFT_STEP_VERSION = 4
+# Bumped when what t(n) means changes, so that every cached curve is measured again (v2: each width timed
+# as a round among plain rounds, ``_round_among_plain_rounds``).
+TIMING_VERSION = 2
 MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
 PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
 _FILLER = (
@@ -53,7 +56,8 @@ _FILLER = (
 class CostCurve:
     """Median wall times on one machine for one target (and draft).
 
-    ``verify_ms[n]``: one decode of n rows with embeddings on (the verification of n-1 drafts);
+    ``verify_ms[n]``: one decode of n rows with embeddings on (the verification of n-1 drafts), as it costs
+    inserted among one-row decodes (``_round_among_plain_rounds``; t(1) is a plain stream's);
     ``draft_step_ms``: one draft step (one row forward + head argmax) on the draft's device;
     ``draft_rows_ms[n]``: one draft forward over n rows (a tree depth), optional; ``draft_rows_ms[1]`` is
     a chain's later depth, which a CPU draft runs inside its native chain at ``draft_step_ms``;
@@ -181,6 +185,22 @@ def _warm_up(fn: Callable[[], None], *, calls: int, seconds: float) -> None:
         fn()
 
 
+def _round_among_plain_rounds(verify: Callable[[int], None], n: int) -> float:
+    """Seconds an n-row decode adds to a stream of one-row decodes, plus one t(1): its own time and the
+    next one-row decode's, right after a one-row decode (n = 1: two plain rounds).
+
+    WHY: llama.cpp reuses a decode's graph only while the batch keeps its shape, and a one-row decode
+    right after a wider one pays the rebuild and colder caches.  Timed in isolation after decodes of
+    every width (as calibration did), t(1) of SmolLM2 Q4_0 came out at 6.4-7.5 ms where a plain stream
+    decodes at 4.2 ms (2-core Xeon VM), so drafting looked half as dear as it is and auto drafted at a
+    loss.  Timed this way, each width carries what inserting one such round into plain decoding costs."""
+    verify(1)  # the round before it: a plain one
+    t0 = time.perf_counter()
+    verify(n)
+    verify(1)
+    return time.perf_counter() - t0
+
+
 def measure(
     target: "LlamaTarget",
     runner: "DraftRunner | None",
@@ -233,12 +253,11 @@ def measure(
             order = ns[:] if i < repeats else focus[:]
             rng.shuffle(order)
             for n in order:
-                t0 = time.perf_counter()
-                verify(n)
-                samples[n].append(time.perf_counter() - t0)
+                samples[n].append(_round_among_plain_rounds(verify, n))
                 if progress:
                     progress(1)
-        verify_ms = {n: 1e3 * statistics.median(samples[n]) for n in ns}
+        t1 = statistics.median(samples[1]) / 2  # a pair of plain rounds
+        verify_ms = {n: 1e3 * (t1 if n == 1 else statistics.median(samples[n]) - t1) for n in ns}
         step_ms, rows_ms, switch_ms = 0.0, {}, 0.0
         if runner is not None:
             step_ms, rows_ms, switch_ms = _measure_draft(runner, hidden, tokens, ns, repeats, progress,
@@ -343,7 +362,8 @@ def cache_path(target_path: str | Path, draft_path: str | Path | None, threads: 
         return f"{p}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}"
 
     key = "|".join([machine_id(threads), ident(target_path), ident(draft_path)]
-                   + ([f"draft-step-v{DRAFT_STEP_VERSION}"] if draft_path is not None and DRAFT_STEP_VERSION > 1 else []))
+                   + ([f"draft-step-v{DRAFT_STEP_VERSION}"] if draft_path is not None and DRAFT_STEP_VERSION > 1 else [])
+                   + [f"timing-v{TIMING_VERSION}"])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / f"{Path(target_path).stem}-t{threads}-{digest}.json"
 

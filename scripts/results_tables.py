@@ -44,6 +44,8 @@ SETS4 = ["mt_bench", "humaneval", "gsm8k", "alpaca", "all"]
 WITH_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-darter.json"
 NO_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft.json"
 CHAIN = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter.json"
+CHAIN_STEEP = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter-steep.json"  # the same command on a steeper t(n)
+CURVE_STEEP = "calibration/smollm2-q4_0-darter-xeon-amx-vm-steep.json"
 DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
 KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
@@ -188,8 +190,8 @@ def t_speedup_7sets() -> str:
     return "\n".join(lines) + "\n\n" + bench_meta_line(WITH_DRAFT) + "\n\n" + sources_footer(WITH_DRAFT, NO_DRAFT)
 
 
-def t_chain_k3() -> str:
-    c = summary(CHAIN)
+def t_chain_k3(rel: str = CHAIN) -> str:
+    c = summary(rel)
     lines = ["| method | " + " | ".join(SETS4) + " | mean acc. len (all) | draft share of wall time | equal to raw |",
              "|---|" + "---:|" * (len(SETS4) + 3)]
     methods = [m for m in ("chain-k3", "auto", "auto-lookup") if (m, "all") in c]  # auto-lookup: lookup-only
@@ -197,7 +199,16 @@ def t_chain_k3() -> str:
         split = c[(m, "all")]["split"] or {}
         lines.append(f"| `{m}` | " + " | ".join(x(c[(m, s)]["speedup"]) for s in SETS4)
                      + f" | {f2(c[(m, 'all')]['mean_accepted_length'])} | {split.get('draft', 0):.0%} | {equal(c, m)} |")
-    return "\n".join(lines) + "\n\n" + bench_meta_line(CHAIN) + "\n\n" + sources_footer(CHAIN)
+    return "\n".join(lines) + "\n\n" + bench_meta_line(rel) + "\n\n" + sources_footer(rel)
+
+
+def t_chain_k3_steep() -> str:
+    """The chain table on the steeper host, under the verification cost ``hetero-spec calibrate`` measured there."""
+    v = load(CURVE_STEEP)["verify_ms"]
+    ratios = " | ".join(f"{v[str(n)] / v['1']:.2f}" for n in (2, 3, 4, 8))
+    curve = ("| t(n)/t(1), n = | 2 | 3 | 4 | 8 | t(1) |\n|---|---:|---:|---:|---:|---:|\n"
+             f"| this host | {ratios} | {v['1']:.1f} ms |\n\n" + sources_footer(CURVE_STEEP))
+    return curve + "\n\n" + t_chain_k3(CHAIN_STEEP)
 
 
 def t_draft_acceptance() -> str:
@@ -418,6 +429,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "headline": (t_headline, [WITH_DRAFT, NO_DRAFT, CHAIN, SERVER_ONE, SERVER_SLOTS]),
     "speedup-7sets": (t_speedup_7sets, [WITH_DRAFT, NO_DRAFT]),
     "chain-k3": (t_chain_k3, [CHAIN]),
+    "chain-k3-steep": (t_chain_k3_steep, [CURVE_STEEP, CHAIN_STEEP]),
     "draft-acceptance": (t_draft_acceptance, [CHAIN]),
     "draft-step": (t_draft_step, [DRAFT_STEP]),
     "kernels": (t_kernels, [KERNELS]),

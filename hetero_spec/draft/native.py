@@ -31,6 +31,7 @@ import torch
 
 from ..cpu_features import cpu_info
 from ..config import DenoiseConfig
+from .huge_pages import HugePageArena
 from .int8 import HEAD
 
 SOURCE = Path(__file__).with_name("native_step.cpp")
@@ -161,6 +162,9 @@ class NativeChain:
         self._act_q = quantize_activations
         cfg = model.cfg
         self._keep: list[torch.Tensor] = []  # everything the native model points at
+        # what every step streams (quantized weights, their scales, norms) goes to 2 MB pages: huge_pages.py says why
+        linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        self.arena = HugePageArena(linears + model.head.numel() + (4 << 20))
         m = _Model()
         m.hidden, m.n_embd, m.n_heads, m.n_kv, m.head_dim = cfg.hidden_size, cfg.n_embd, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         m.ffn, m.n_blocks, m.max_pos = cfg.ffn_size, cfg.n_blocks, cfg.max_positions
@@ -170,8 +174,8 @@ class NativeChain:
         m.recent_window = denoise.recent_window
         m.has_threshold = int(denoise.threshold > 0)
         m.log_threshold = float(np.log(denoise.threshold)) if denoise.threshold > 0 else 0.0
-        m.embed = self._f32(model.embed)
-        m.rope_cos, m.rope_sin = self._f32(model.rope_cos), self._f32(model.rope_sin)
+        m.embed = self._f32(model.embed, hot=False)  # a row a step
+        m.rope_cos, m.rope_sin = self._f32(model.rope_cos, hot=False), self._f32(model.rope_sin, hot=False)
         if model.tap_fc is not None:  # g = W (f * tap_scale): raw taps carry channels of RMS 1,200, so float rows
             m.tap = self._qw(model.tap_fc.weight, None)
             m.tap.inv_smooth = self._f32(model.tap_scale)
@@ -193,7 +197,7 @@ class NativeChain:
             m.head = self._q4(model.head)
         else:
             m.head = self._qw(model.head, None, self._smooth.get(HEAD), act_q=self._act_q)
-        m.head_f32 = self._f32(model.head)
+        m.head_f32 = self._f32(model.head, hot=False)  # only the rescored rows are read
         m.rescore = min(rescore or RESCORE[self.head_bits], MAX_RESCORE, model.head.shape[0])
         blocks = (_Block * cfg.n_blocks)()
         for i, blk in enumerate(model.blocks):
@@ -221,8 +225,10 @@ class NativeChain:
         self._model.blocks = ctypes.cast(self._blocks, ctypes.POINTER(_Block))
         self.cache = cache
 
-    def _f32(self, t: torch.Tensor) -> int:
+    def _f32(self, t: torch.Tensor, hot: bool = True) -> int:
         t = t.detach().to(torch.float32).contiguous()
+        if hot:
+            t = self.arena.place(t)
         self._keep.append(t)
         return t.data_ptr()
 
@@ -238,6 +244,9 @@ class NativeChain:
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).contiguous()
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
         wsum = q.sum(dim=1, dtype=torch.int32).contiguous()
+        q, scale, wsum = (self.arena.place(t) for t in (q, scale, wsum))
+        if inv_smooth is not None:
+            inv_smooth = self.arena.place(inv_smooth)
         self._keep += [q, scale, wsum] + ([inv_smooth] if inv_smooth is not None else [])
         out = _QMat(q.data_ptr(), scale.data_ptr(), None, wsum.data_ptr(), _ptr(inv_smooth), w.shape[0], w.shape[1],
                     int(act_q))
@@ -256,7 +265,8 @@ class NativeChain:
         q = (torch.round(w / scale[:, None]).clamp(-8, 7) + 8).to(torch.uint8)
         blocks = (n + 63) // 64
         q = torch.nn.functional.pad(q, (0, blocks * 64 - n), value=8).reshape(out, blocks, 2, 32)
-        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous()  # [out, blocks, 32]
+        packed = self.arena.place((q[:, :, 0] | (q[:, :, 1] << 4)).contiguous())  # [out, blocks, 32]
+        scale = self.arena.place(scale)
         self._keep += [packed, scale]
         return _QMat(packed.data_ptr(), scale.data_ptr(), None, None, None, out, n, 1, 4)
 
