@@ -488,12 +488,17 @@ class AutoPolicy:
         return rate >= BREAK_EVEN_BAND / round_cost_ms(self.curve, Shape(0))
 
     def new_text(self) -> None:
-        """A request starts: the draft's statistics keep ``NEW_TEXT_KEEP`` of their evidence, and its probes
-        are due at the first gap again.  The statistics still persist across requests (a draft that fails on
-        a user's domain stays off after a few rounds), but one text's streak no longer decides the next."""
+        """A request starts: the draft's statistics keep ``NEW_TEXT_KEEP`` of their evidence, and, where the
+        draft is then within reach of paying, its probes are due at the first gap again.  The statistics still
+        persist across requests (a draft that fails on a user's domain stays off after a few rounds), but one
+        text's streak no longer decides the next.  Where even the lightened evidence leaves drafting far below
+        plain rounds, as on a machine whose verified rows cost nearly a decode each, the probes keep their
+        grown gap: reset every request, they cost auto 1-3% of a 128-token answer there (a probe's catch-up
+        and the rounds that keep rows for it), and they cannot find a draft that pays."""
         self.stats.forget(NEW_TEXT_KEEP)
         self._best_shape = None
-        self._draft_probe.reset()
+        if self.max_depth and (self.expects_drafting() or self._near_break_even()):
+            self._draft_probe.reset()
 
     def expects_drafting(self) -> bool:
         """Whether the draft model is expected to run soon (it then needs the prompt's rows)."""

@@ -452,3 +452,24 @@ def test_a_new_text_is_drafted_soon_after_the_last_texts_bad_streak():
             if new_text:
                 assert next(i for i, d in enumerate(second) if d > 0) <= 2
     assert plain[True] <= 8 and plain[False] >= 40
+
+
+def test_a_draft_far_below_plain_keeps_its_probe_gap_across_requests():
+    """On a curve like the steeper VM host's (every verified row about half a decode more, a step 0.06 t(1)) a
+    draft accepted 30% of the time cannot pay: ``new_text`` keeps the probe gap it grew instead of probing
+    early in every request.  On a flat curve the same evidence leaves the draft near break-even, and its
+    probes are due at the first gap again."""
+    steep = CostCurve({n: 4.5 * (1 + 0.5 * (n - 1)) for n in range(1, 33)}, 0.27, {n: 0.27 * n for n in range(1, 33)})
+    flat = CostCurve({n: 10.0 * (1 + 0.15 * (n - 1)) for n in range(1, 33)}, 0.5, {n: 0.5 + 0.05 * n for n in range(1, 33)})
+    gaps = {}
+    for name, c in (("steep", steep), ("flat", flat)):
+        policy = AutoPolicy(c, max_depth=8, prior_alphas=HELD_OUT)
+        depths = _run(policy, [0.3] * 8, 400, seed=3)
+        assert depths[100:].count(0) >= 0.9 * 300  # both run plain: the draft does not pay at 30%
+        grown = policy.probe_gap
+        policy.new_text()
+        gaps[name] = (grown, policy.probe_gap, policy._draft_probe.rounds_to_due)
+    grown, kept, due = gaps["steep"]
+    assert grown > 16 and kept == grown and due < grown  # the gap and the rounds already waited both kept
+    grown, reset, due = gaps["flat"]
+    assert reset == 16 and due == 16
