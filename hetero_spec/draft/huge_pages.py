@@ -43,20 +43,24 @@ class HugePageArena:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = _round_up(max(capacity, 1), HUGE_PAGE)
-        # private: shared anonymous memory is shmem, whose huge pages follow another, usually "never", setting;
-        # the slack lets the start move to a 2 MB boundary
-        self._map = mmap.mmap(-1, self.capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.advised = False
+        self.used = 0
+        try:
+            # private: shared anonymous memory is shmem, whose huge pages follow another, usually "never",
+            # setting; the slack lets the start move to a 2 MB boundary
+            self._map = mmap.mmap(-1, self.capacity + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (AttributeError, OSError, ValueError):  # no such mapping here (not a POSIX system): hold nothing
+            self._map, self.capacity, self._start, self.address = None, 0, 0, 0
+            return
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._start = (-base) % HUGE_PAGE
         self.address = base + self._start
-        self.advised = False
         if thp_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE, self._start, self.capacity)
                 self.advised = True
             except OSError:  # a kernel without THP support: plain pages
                 pass
-        self.used = 0
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
@@ -74,6 +78,8 @@ class HugePageArena:
         try:
             smaps = Path("/proc/self/smaps").read_text()
         except OSError:
+            return 0
+        if self._map is None:
             return 0
         lo, hi = self.address - self._start, self.address - self._start + self.capacity + HUGE_PAGE
         total, inside = 0, False

@@ -74,5 +74,17 @@ def test_native_chain_streams_its_quantized_weights_from_the_arena_and_not_the_s
         np.testing.assert_array_equal(chain.head_logits(feat).numpy(), outside.head_logits(feat).numpy())
 
 
+def test_without_private_anonymous_mappings_the_arena_holds_nothing(monkeypatch):
+    """Where the mmap module has no MAP_PRIVATE (Windows), every tensor stays where it was."""
+    from types import SimpleNamespace
+
+    from hetero_spec.draft import huge_pages
+
+    monkeypatch.setattr(huge_pages, "mmap", SimpleNamespace(mmap=huge_pages.mmap.mmap))
+    arena = HugePageArena(1 << 20)
+    t = torch.ones(10)
+    assert arena.place(t) is t and not arena.advised and arena.capacity == 0 and arena.huge_bytes() == 0
+
+
 def test_thp_mode_reads_the_bracketed_choice():
     assert thp_mode() in ("always", "madvise", "never", "unavailable")
