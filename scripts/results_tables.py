@@ -50,6 +50,7 @@ DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
 KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
 SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
+SERVER_SLOTS_STEEP = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients-steep.json"  # the same command, steeper host
 ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-draft.json"
 CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
 DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
@@ -273,8 +274,8 @@ def _best_ngram(d: dict) -> str:
     return max(ngram, key=lambda c: c["aggregate_tps"])["spec"]
 
 
-def t_server_slots() -> str:
-    d = load(SERVER_SLOTS)
+def t_server_slots(rel: str = SERVER_SLOTS) -> str:
+    d = load(rel)
     b = d["batched"]
     lines = ["| server | speculation | aggregate tokens/s | time to first token p50 / p95 | greedy texts equal to one "
              "sequence alone |", "|---|---|---:|---|---|"]
@@ -296,7 +297,7 @@ def t_server_slots() -> str:
         lines.append(f"| {names[c['server']]} | {spec} | {c['aggregate_tps']:.1f}{crashed} | {c['ttft_p50_s']:.2f} s / "
                      f"{c['ttft_p95_s']:.2f} s | {same} |")
     return ("\n".join(lines) + f"\n\n{one['clients']} concurrent streaming clients, {one['requests']} requests in all "
-            f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(SERVER_SLOTS))
+            f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(rel))
 
 
 
@@ -435,6 +436,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "kernels": (t_kernels, [KERNELS]),
     "server-one-client": (t_server_one_client, [SERVER_ONE]),
     "server-slots": (t_server_slots, [SERVER_SLOTS]),
+    "server-slots-steep": ((lambda: t_server_slots(SERVER_SLOTS_STEEP)), [SERVER_SLOTS_STEEP]),
     "server-engine": (t_server_engine, [ENGINE]),
     "cross-thread": (t_cross_thread, [CROSS]),
     "drafts": (t_drafts, [f"../drafts/{n}" for n in DRAFTS]),
