@@ -380,19 +380,22 @@ def test_client_killed_mid_stream_cancels_its_generation(server, http):
 def test_serve_without_a_draft_copies_from_the_text_and_stays_exact(model_path):
     """No DRAFT and no --no-draft: auto drafts from the suffix structure over the prompt and the answer,
     and the greedy text is still plain decoding's."""
+    from tests.curves import cheap_rows_cached
+
     prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
-    srv = ServerProcess(model_path, "--parallel", 1, "-t", 1, "--ctx", CTX)
-    try:
-        with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
-            resp = c.post("/v1/chat/completions", json=chat_body(prompt, max_tokens=48))
-        assert resp.status_code == 200, resp.text
-        body = resp.json()
-        expected = cli_run(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "-p", prompt, "-n", 48)
-        assert body["choices"][0]["message"]["content"] + "\n" == expected
-        stats = body["hetero_spec"]
-        assert stats["suffix_rounds"] > 0 and stats["accepted_tokens"] > 0
-    finally:
-        assert srv.stop() == 0, "\n".join(srv.lines[-20:])
+    with cheap_rows_cached(model_path, 1):  # copying pays whatever this machine's t(n) (tests/curves.py)
+        srv = ServerProcess(model_path, "--parallel", 1, "-t", 1, "--ctx", CTX)
+        try:
+            with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
+                resp = c.post("/v1/chat/completions", json=chat_body(prompt, max_tokens=48))
+            assert resp.status_code == 200, resp.text
+            body = resp.json()
+        finally:
+            assert srv.stop() == 0, "\n".join(srv.lines[-20:])
+    expected = cli_run(model_path, "--no-draft", "-t", 1, "--ctx", CTX, "-p", prompt, "-n", 48)
+    assert body["choices"][0]["message"]["content"] + "\n" == expected
+    stats = body["hetero_spec"]
+    assert stats["suffix_rounds"] > 0 and stats["accepted_tokens"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -70,7 +70,18 @@ def test_every_offered_suffix_tree_verified_gives_the_plain_output(bare, plain):
     assert branched > 0  # some trees had more nodes than depth: branches were verified
 
 
-def test_auto_without_a_draft_model_uses_the_suffix_structure_and_stays_lossless(bare, plain):
+@pytest.fixture()
+def cheap_rows(bare):
+    """Copying pays whatever this machine's t(n) (``tests/curves.py``); the machine's curve is put back after."""
+    from tests.curves import CHEAP_ROWS
+
+    curve, policies = bare._curve, bare._auto
+    bare._curve, bare._auto = CHEAP_ROWS, {}
+    yield
+    bare._curve, bare._auto = curve, policies
+
+
+def test_auto_without_a_draft_model_uses_the_suffix_structure_and_stays_lossless(bare, plain, cheap_rows):
     bare.suffix_cache.clear()
     suffix_rounds, accepted = 0, {}
     for p in PROMPTS:
@@ -103,10 +114,14 @@ def test_run_without_a_draft_copies_and_keeps_its_cache_in_a_file(model_path, tm
     --suffix-cache carries the outputs to the next run, which drafts the same answer from it."""
     from tests.integration.test_cli import hetero
 
+    from hetero_spec.target.llama_target import default_threads
+    from tests.curves import cheap_rows_cached
+
     args = ("run", model_path, "-p", bench_prompts("mt_bench", 1)[0], "-n", "40", "--ctx", "1024")
     plain = hetero(*args, "--no-draft")
     cache = tmp_path / "suffix.json"
-    runs = [hetero(*args, "--suffix-cache", cache, "--stats-json", tmp_path / f"{i}.json") for i in range(2)]
+    with cheap_rows_cached(model_path, default_threads()):  # copying pays whatever this machine's t(n)
+        runs = [hetero(*args, "--suffix-cache", cache, "--stats-json", tmp_path / f"{i}.json") for i in range(2)]
     for proc in [plain, *runs]:
         assert proc.returncode == 0, proc.stderr
     assert runs[0].stdout == runs[1].stdout == plain.stdout
