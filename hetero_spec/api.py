@@ -252,10 +252,14 @@ class HeteroSpec:
         text = "".join(ts)
         return Completion(text, ts.tokens, stats)
 
+    def _draft_for(self, cfg: SpecConfig):
+        """The draft model a generation with ``cfg`` uses: the loaded one unless ``cfg`` leaves it out (None)."""
+        return self.draft if cfg.draft_model else None
+
     def _policy(self, cfg: SpecConfig, suffix: bool = False):
         """None for the plain chain path; a fixed tree; or auto sizing over chains or trees (without a
         draft model: over the copy sources alone, prompt lookup or the suffix structure)."""
-        model = self.draft is not None and cfg.draft_model
+        model = self._draft_for(cfg) is not None
         if cfg.draft_len == 0 or (not model and cfg.draft_len != "auto"):
             return None
         tree = cfg.tree
@@ -336,7 +340,7 @@ class HeteroSpec:
                    suffix: SuffixCache | None, policy, t0: float) -> Iterator[str]:
         stats, target = ts.stats, self.target
         text = TextAssembler(target.piece, cfg.stop)
-        steps = generate_tokens(target, self.draft if cfg.draft_model else None, tokens, max_new_tokens=cfg.max_new_tokens,
+        steps = generate_tokens(target, self._draft_for(cfg), tokens, max_new_tokens=cfg.max_new_tokens,
                                 draft_len=1 if cfg.draft_len == "auto" else cfg.draft_len,
                                 sampling=cfg.sampling, policy=policy, p_min=cfg.p_min, suffix=suffix)
         try:

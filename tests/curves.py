@@ -16,6 +16,18 @@ CHEAP_ROWS = CostCurve({1: 10.0, 32: 10.5}, 0.1)
 
 
 @contextmanager
+def cheap_rows_in(hs) -> Iterator[None]:
+    """For a ``HeteroSpec`` in this process: auto's policies are made afresh on CHEAP_ROWS while the block runs;
+    the machine's curve and policies are put back afterwards."""
+    curve, policies = hs._curve, hs._auto
+    hs._curve, hs._auto = CHEAP_ROWS, {}
+    try:
+        yield
+    finally:
+        hs._curve, hs._auto = curve, policies
+
+
+@contextmanager
 def cheap_rows_cached(model: str | Path, threads: int, draft: str | Path | None = None) -> Iterator[None]:
     """For a subprocess (``run``, ``serve``) on ``model`` with ``threads``: the curve it reads from the cache is
     CHEAP_ROWS while the block runs; the machine's own calibration (or none) is put back afterwards."""

@@ -75,11 +75,11 @@ class HugePageArena:
     def huge_bytes(self) -> int:
         """Bytes of the arena that the kernel backs with 2 MB pages now (``AnonHugePages`` of its mapping in
         /proc/self/smaps; 0 where that file is missing)."""
+        if self._map is None:
+            return 0
         try:
             smaps = Path("/proc/self/smaps").read_text()
         except OSError:
-            return 0
-        if self._map is None:
             return 0
         lo, hi = self.address - self._start, self.address - self._start + self.capacity + HUGE_PAGE
         total, inside = 0, False

@@ -29,13 +29,13 @@ import numpy as np
 import pytest
 
 from hetero_spec.api import HeteroSpec
-from hetero_spec.calibration import CostCurve
 from hetero_spec.config import TreeSpec
 from hetero_spec.errors import TargetError
 from hetero_spec.target import _ffi
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.tiny_models import FAMILIES, QUANTS, build_all
 from tests.conftest import bench_prompts
+from tests.curves import CHEAP_ROWS
 
 CLI = [sys.executable, "-m", "hetero_spec"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +63,6 @@ def exact_rows(family: str, quant: str, is_repacked: bool) -> int:
 
 # auto's cost curve for the exactness tests: verification rows nearly free, so auto drafts the longest chains
 # (and prompt lookup drafts whenever it matches) whatever this machine's timing; no calibration runs
-CHEAP_ROWS = CostCurve({1: 10.0, 32: 10.5}, 0.1)
 
 
 def _id(case) -> str:

@@ -14,15 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_spec.api import AUTO_MAX_CHAIN, ExactnessWarning, HeteroSpec
-from hetero_spec.calibration import CostCurve
 from hetero_spec.cli import cli
 from hetero_spec.config import TreeSpec
 from hetero_spec.target import invariance
 from hetero_spec.target.llama_target import BATCH_INVARIANT_ROWS, LlamaTarget, TargetOptions
 from hetero_spec.tiny_models import tiny_model_path
+from tests.curves import CHEAP_ROWS
 
 # verification rows nearly free: auto drafts the longest chains its cap allows, whatever this machine's timing
-CHEAP_ROWS = CostCurve({1: 10.0, 32: 10.5}, 0.1)
 PROMPT = "the farmer sold sixteen eggs and the farmer sold sixteen eggs and the farmer sold"
 
 

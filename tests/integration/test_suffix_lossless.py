@@ -73,12 +73,10 @@ def test_every_offered_suffix_tree_verified_gives_the_plain_output(bare, plain):
 @pytest.fixture()
 def cheap_rows(bare):
     """Copying pays whatever this machine's t(n) (``tests/curves.py``); the machine's curve is put back after."""
-    from tests.curves import CHEAP_ROWS
+    from tests.curves import cheap_rows_in
 
-    curve, policies = bare._curve, bare._auto
-    bare._curve, bare._auto = CHEAP_ROWS, {}
-    yield
-    bare._curve, bare._auto = curve, policies
+    with cheap_rows_in(bare):
+        yield
 
 
 def test_auto_without_a_draft_model_uses_the_suffix_structure_and_stays_lossless(bare, plain, cheap_rows):

@@ -13,6 +13,7 @@ from hetero_spec.spec.orchestrator import CATCHUP_ROWS, generate_tokens
 from hetero_spec.spec.lookup import NgramLookup
 from hetero_spec.spec.policy import AutoPolicy, FixedPolicy, Shape
 from hetero_spec.spec.tree import Tree
+from tests.curves import cheap_rows_in
 from tests.conftest import bench_prompts
 
 from .oracle_draft import OracleDraft
@@ -478,22 +479,19 @@ def test_auto_without_its_draft_model_drafts_by_lookup_alone_and_equals_plain(hs
     prompt = hs.target.tokenize(hs.render([{"role": "user", "content": REPEAT}]), add_special=False)
     hs.reset()
     plain = hs.generate(prompt, max_new_tokens=48, draft_len=0).tokens
-    # verified rows nearly free, so that lookup pays whatever this machine's curve (where 2 rows cost 2 decodes,
-    # 48 tokens of this answer may not): the policies are made afresh on it and the machine's put back after
-    curve, policies = hs._curve, hs._auto
-    hs._curve, hs._auto = CostCurve({1: 10.0, 32: 10.5}, 0.1), {}
     asked = []
     originals = {name: getattr(hs.draft, name) for name in ("propose", "propose_tree", "prefill")}
     for name, fn in originals.items():
         setattr(hs.draft, name, lambda *a, _fn=fn, _name=name, **k: asked.append(_name) or _fn(*a, **k))
     try:
-        assert hs._policy(SpecConfig(draft_len="auto")).max_depth > 0
-        assert hs._policy(SpecConfig(draft_len="auto", draft_model=False)).max_depth == 0
-        out = hs.generate(prompt, max_new_tokens=48, draft_len="auto", draft_model=False)
+        # lookup pays whatever this machine's curve (where 2 rows cost 2 decodes, 48 tokens of this answer may not)
+        with cheap_rows_in(hs):
+            assert hs._policy(SpecConfig(draft_len="auto")).max_depth > 0
+            assert hs._policy(SpecConfig(draft_len="auto", draft_model=False)).max_depth == 0
+            out = hs.generate(prompt, max_new_tokens=48, draft_len="auto", draft_model=False)
     finally:
         for name, fn in originals.items():
             setattr(hs.draft, name, fn)
-        hs._curve, hs._auto = curve, policies
     assert out.tokens == plain
     drafted = [r for r in out.stats.rounds if r.drafted]
     assert drafted and all(r.source == "lookup" and r.shadow == 0 for r in drafted)
