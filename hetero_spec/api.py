@@ -30,11 +30,15 @@ from .text_stream import TextAssembler
 if TYPE_CHECKING:
     from .calibration import CostCurve
 
-QUICK_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 24, 32)  # rows timed by the first-use calibration
+# Rows timed by the first-use calibration: every width a round of auto's may verify (its deepest suffix chain
+# and the root), then two wider ones.  WHY every width: where the matrix kernels work in 4-row tiles (llama.cpp's
+# repacked Q4_0 on x86) t(n) is not smooth: on one Xeon 16 rows cost 5.3 t(1) and 17 rows 6.1, so a curve
+# interpolated from 13 and 17 priced 16 rows above 17, and auto verified 17-row rounds.
+QUICK_ROWS = (*range(1, 18), 24, 32)
 QUICK_FOCUS = (1, 2, 3, 4, 5)  # ... nine times each, not three: auto's plain-or-chain choice rests on them
 AUTO_MAX_CHAIN = 8  # longest chain auto considers (t(n) on a CPU makes longer ones lose)
 AUTO_LOOKUP_DEPTH = 4  # longest prompt-lookup chain auto considers
-AUTO_SUFFIX_DEPTH = 8  # deepest suffix-structure tree auto considers (spec/suffix.py)
+AUTO_SUFFIX_DEPTH = 16  # deepest suffix-structure chain auto considers (spec/suffix.py; priced per round)
 # Below this many exact rows a model's load says so (with --exact): chains of under three drafts keep
 # little of speculation's gain.
 FEW_EXACT_ROWS = 4
@@ -294,7 +298,7 @@ class HeteroSpec:
             else:
                 from tqdm import tqdm
 
-                # a dozen row counts (interpolated between) keep the first run's wait short
+                # three timings a width (nine for the narrowest) keep the first run's wait to seconds
                 repeats, focus_repeats = 3, 9
                 total = 2 * repeats * len(QUICK_ROWS) + (focus_repeats - repeats) * len(QUICK_FOCUS)
                 with tqdm(total=total, desc="calibrating (once)", unit="decode", leave=False, file=sys.stderr) as bar:

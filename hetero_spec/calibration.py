@@ -42,8 +42,9 @@ CURVE_VERSION = 1
 # prefetching; docs/bench.md).  Curves without a draft keep their key.
 DRAFT_STEP_VERSION = 4
 # Bumped when what t(n) means changes, so that every cached curve is measured again (v2: each width timed
-# as a round among plain rounds, ``_round_among_plain_rounds``).
-TIMING_VERSION = 2
+# as a round among plain rounds, ``_round_among_plain_rounds``; v3: the first-use calibration times every
+# width up to the deepest copy chain's, ``api.QUICK_ROWS``).
+TIMING_VERSION = 3
 MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
 PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
 _FILLER = (

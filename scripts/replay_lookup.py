@@ -54,11 +54,31 @@ def generate(model: str, datasets: list[str], n_prompts: int, threads: int, max_
         jobs = [(d, p) for d in datasets for p in load_dataset(d, n_prompts).prompts]
         for dataset, text in tqdm(jobs, desc="greedy answers", unit="prompt"):
             hs.reset()
-            prompt = hs.target.tokenize(hs.render([{"role": "user", "content": text}]), add_special=False,
-                                        parse_special=True)
+            turn = [{"role": "user", "content": text}] if isinstance(text, str) else list(text)  # or a conversation
+            prompt = hs.target.tokenize(hs.render(turn), add_special=False, parse_special=True)
             out = hs.generate(prompt, max_new_tokens=max_new, draft_len=0).tokens
             answers.append(Answer(dataset, prompt, out))
     return answers
+
+
+def load_answers(model: str, tokens: str | None, datasets: list[str], n_prompts: int, threads: int,
+                 max_new: int) -> list[Answer]:
+    """The greedy answers from the ``tokens`` JSON cache where it exists, else generated (and cached there)."""
+    cache = Path(tokens) if tokens else None
+    if cache and cache.is_file():
+        return [Answer(**a) for a in json.loads(cache.read_text())]
+    answers = generate(model, datasets, n_prompts, threads, max_new)
+    if cache:
+        cache.write_text(json.dumps([a.__dict__ for a in answers]))
+    return answers
+
+
+def load_curves(specs: tuple[str, ...]) -> list[tuple[str, CostCurve]]:
+    """(label, curve) of each ``--curve``: a shipped name or a calibration JSON; a clear error otherwise."""
+    try:
+        return [load_curve(spec) for spec in specs]
+    except HeteroSpecError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def run_of_right(proposal: list[int], truth: list[int]) -> int:
@@ -137,13 +157,7 @@ def replay(answers: list[Answer], curve: CostCurve, rebuild: float, by_match: bo
 @click.option("--lookup-depth", default=AUTO_LOOKUP_DEPTH, show_default=True, help="longest lookup chain")
 @click.option("-t", "--threads", default=1, show_default=True)
 def main(model, curves, datasets, n_prompts, max_new_tokens, rebuild, tokens, lookup_depth, threads):
-    cache = Path(tokens) if tokens else None
-    if cache and cache.is_file():
-        answers = [Answer(**a) for a in json.loads(cache.read_text())]
-    else:
-        answers = generate(model, datasets.split(","), n_prompts, threads, max_new_tokens)
-        if cache:
-            cache.write_text(json.dumps([a.__dict__ for a in answers]))
+    answers = load_answers(model, tokens, datasets.split(","), n_prompts, threads, max_new_tokens)
     bounds = list(LOOKUP_MATCH_BUCKETS[1:]) + [None]
     print("match length | offers | first token right | mean run of right tokens (cap 32)")
     for b, (n, first, run) in match_table(answers).items():
@@ -152,11 +166,7 @@ def main(model, curves, datasets, n_prompts, max_new_tokens, rebuild, tokens, lo
         print(f"{label:>12} | {n:6d} | {first:.3f} | {run:.2f}")
     sets = list(dict.fromkeys(a.dataset for a in answers))
     print(f"\nmodelled speed over plain rounds (median per set; mean over all prompts), rebuild {rebuild} t(1)")
-    for spec in curves:
-        try:
-            name, curve = load_curve(spec)
-        except HeteroSpecError as exc:
-            raise click.ClickException(str(exc)) from None
+    for name, curve in load_curves(curves):
         for by_match in (False, True):
             medians, mean, kinds = replay(answers, curve, rebuild, by_match, lookup_depth)
             label = "by match" if by_match else "pooled"

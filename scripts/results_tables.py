@@ -46,6 +46,9 @@ NO_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft.json"
 CHAIN = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter.json"
 CHAIN_STEEP = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter-steep.json"  # the same command on a steeper t(n)
 CURVE_STEEP = "calibration/smollm2-q4_0-darter-xeon-amx-vm-steep.json"
+SUFFIX_STEEP = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft-steep.json"  # 20 prompts a set, the steeper host
+SUFFIX_CURVE_STEEP = "calibration/smollm2-q4_0-xeon-amx-vm-steep.json"  # no draft, the same host, the same session
+SUFFIX_REPLAY = "suffix/replay-steep.json"  # scripts/replay_suffix.py on that curve
 DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
 KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
@@ -135,7 +138,7 @@ def bench_meta_line(rel: str) -> str:
 # ---------------------------------------------------------------- tables
 
 def t_headline() -> str:
-    d, n, c = summary(WITH_DRAFT), summary(NO_DRAFT), summary(CHAIN)
+    d, n, c = summary(WITH_DRAFT), summary(SUFFIX_STEEP), summary(CHAIN)
     one, slots = load(SERVER_ONE)["overhead"], load(SERVER_SLOTS)
     rows = [
         ("`run`/`bench` `auto`, shipped darter draft (draft + prompt lookup)", x(d[("auto", "all")]["speedup"]),
@@ -160,7 +163,7 @@ def t_headline() -> str:
     lines = ["| what | speed against plain llama.cpp decoding, all sets | per set | outputs equal to plain | run |",
              "|---|---:|---:|---:|---|"]
     lines += [f"| {a} | {b} | {s} | {e} | {r} |" for a, b, s, e, r in rows]
-    srcs = [source(rel) for rel in (WITH_DRAFT, NO_DRAFT, CHAIN, SERVER_ONE, SERVER_SLOTS)]
+    srcs = [source(rel) for rel in (WITH_DRAFT, SUFFIX_STEEP, CHAIN, SERVER_ONE, SERVER_SLOTS)]
     cpus = {s.cpu for s in srcs}
     lines.append("")
     if len(cpus) == 1:
@@ -189,6 +192,28 @@ def t_speedup_7sets() -> str:
     dec = [f"{n[('auto-suffix', s)]['decode_tokens_per_s'] / n[('raw', s)]['decode_tokens_per_s']:.2f}x" for s in SETS7]
     lines.append("| decode tokens/s only, `auto-suffix` no draft model | " + " | ".join(dec) + " | | |")
     return "\n".join(lines) + "\n\n" + bench_meta_line(WITH_DRAFT) + "\n\n" + sources_footer(WITH_DRAFT, NO_DRAFT)
+
+
+def t_suffix_steep() -> str:
+    """Suffix trees without a draft model against llama.cpp's n-gram modes, end to end and decode only."""
+    r = summary(SUFFIX_STEEP)
+    v = load(SUFFIX_CURVE_STEEP)["verify_ms"]
+    curve = ("| t(n)/t(1), n = | 2 | 4 | 8 | 16 | 17 | t(1) |\n|---|---:|---:|---:|---:|---:|---:|\n"
+             "| this host | " + " | ".join(f"{v[str(n)] / v['1']:.2f}" for n in (2, 4, 8, 16, 17))
+             + f" | {v['1']:.1f} ms |\n\n" + sources_footer(SUFFIX_CURVE_STEEP))
+    methods = [("auto-suffix", "`auto-suffix`, no draft model"), ("llama.cpp-ngram", "llama.cpp `ngram-simple`"),
+               ("llama.cpp-ngram-mod", "llama.cpp `ngram-mod`"), ("llama.cpp-ngram-cache", "llama.cpp `ngram-cache`")]
+    lines = ["| method | " + " | ".join(SETS7) + " | mean acc. len (all) | equal to raw |",
+             "|---|" + "---:|" * (len(SETS7) + 2)]
+    for m, label in methods:
+        lines.append(f"| {label} | " + " | ".join(x(r[(m, s)]["speedup"]) for s in SETS7)
+                     + f" | {f2(r[(m, 'all')]['mean_accepted_length'])} | {equal(r, m)} |")
+    for m, label in methods:
+        dec = [f"{r[(m, s)]['decode_tokens_per_s'] / r[('raw', s)]['decode_tokens_per_s']:.2f}x"
+               for s in SETS7]
+        lines.append(f"| decode tokens/s only, {label} | " + " | ".join(dec) + " | | |")
+    return (curve + "\n\n" + "\n".join(lines) + "\n\n" + bench_meta_line(SUFFIX_STEEP) + "\n\n"
+            + sources_footer(SUFFIX_STEEP))
 
 
 def t_chain_k3(rel: str = CHAIN) -> str:
@@ -427,7 +452,7 @@ def t_recorded(rel: str) -> str:
 
 
 TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
-    "headline": (t_headline, [WITH_DRAFT, NO_DRAFT, CHAIN, SERVER_ONE, SERVER_SLOTS]),
+    "headline": (t_headline, [WITH_DRAFT, SUFFIX_STEEP, CHAIN, SERVER_ONE, SERVER_SLOTS]),
     "speedup-7sets": (t_speedup_7sets, [WITH_DRAFT, NO_DRAFT]),
     "chain-k3": (t_chain_k3, [CHAIN]),
     "chain-k3-steep": (t_chain_k3_steep, [CURVE_STEEP, CHAIN_STEEP]),
@@ -443,6 +468,8 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "step-decay": (t_step_decay, [STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)]),
     "make-draft-time": (t_make_draft_time, [MADE, "make_draft/tiny-llama-q8_0.report.json", TIME_TO_DRAFT, MADE_BENCH]),
 }
+TABLES["suffix-steep"] = (t_suffix_steep, [SUFFIX_CURVE_STEEP, SUFFIX_STEEP])
+TABLES["suffix-replay"] = ((lambda: t_recorded(SUFFIX_REPLAY)), [SUFFIX_REPLAY])
 TABLES["suffix-overhead"] = ((lambda: t_recorded("suffix/overhead-per-round.json")), ["suffix/overhead-per-round.json"])
 for _p in sorted((RESULTS / "exactness").glob("*.json")):
     _rel = f"exactness/{_p.name}"

@@ -145,6 +145,7 @@ class Policy(Protocol):
     def observe_probe(self, drafted_depth: int, accepted: int) -> None: ...
     def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None: ...
     def observe_suffix_chain(self, match: int, drafted_depth: int, accepted: int, cached: bool = False) -> None: ...
+    def observe_suffix_tail(self, match: int, cached: bool, first: int, drafted_depth: int, accepted: int) -> None: ...
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None: ...
     def expects_drafting(self) -> bool: ...
     def wants_rows(self, within: int) -> bool: ...
@@ -220,6 +221,7 @@ def generate_tokens(
         sfx.extend([x])  # the output starts with the prefill's token: it joins the cache with the rest
     shadow = ShadowChain()  # a draft probe's chain
     lookup_shadow = ShadowChain()  # a prompt-lookup proposal that no round verified
+    tail_shadow = ShadowChain()  # the unverified rest of a suffix chain whose verified part was accepted whole
     text = _HeldText(draft)
     try:
         while True:
@@ -249,6 +251,11 @@ def generate_tokens(
                     shadow.check(step.tokens)
                 if lookup_shadow.guesses:
                     lookup_shadow.check(step.tokens)
+                if tail_shadow.guesses:
+                    tail_shadow.check(step.tokens)
+                if not tail_shadow.guesses and sfx is not None and sampling.greedy and not step.stop_reason \
+                        and step.round is not None and step.round.source == "suffix":
+                    _open_tail(tail_shadow, tree, step.tokens, policy)
             else:
                 text.flush()
                 step, x, pending = _spec_round(target, draft, x, pending, draft_len, left)
@@ -262,6 +269,7 @@ def generate_tokens(
                 text.flush()
                 shadow.close()
                 lookup_shadow.close()
+                tail_shadow.close()
             yield step
             if step.stop_reason:
                 return
@@ -269,6 +277,30 @@ def generate_tokens(
         text.flush()  # a caller that stops early still leaves the draft the whole text
         if sfx is not None:
             sfx.finish()  # the output (whole or cut short) serves later requests
+
+
+def suffix_evidence(chain: list[int], drafted: int, path: int, on_chain: int, bonus: int,
+                    greedy: bool) -> tuple[int, int]:
+    """(drafted depth, accepted) that a verified suffix round teaches the statistics of its most probable path
+    ``chain``: the round's tree reached depth ``drafted``, its accepted path ``path`` deep, the first
+    ``on_chain`` of those on the chain.  Where the path stayed on the chain, a greedy round also checks the
+    chain's next token against the ``bonus`` token, whether or not the tree held it (a capped tree may leave
+    it out for a likelier branch elsewhere); where the path left the chain, the chain's token there lost."""
+    if on_chain < path:
+        return drafted, on_chain
+    if greedy and on_chain < len(chain):
+        return on_chain + 1, on_chain + int(bonus == chain[on_chain])
+    return drafted, on_chain
+
+
+def _open_tail(tail: ShadowChain, prop: SuffixProposal, emitted: list[int], policy: Policy) -> None:
+    """Check the rest of ``prop``'s chain against the next tokens where a suffix round emitted its chain's
+    first tokens (every verified row and the bonus token agreed with it): auto learns the depths past what
+    it verified (``observe_suffix_tail``)."""
+    n = len(emitted)
+    rest = prop.chain[n : policy.suffix_depth]
+    if rest and prop.chain[:n] == emitted:
+        tail.open(rest, partial(policy.observe_suffix_tail, prop.match, prop.cached, n + 1))
 
 
 def _unverified(step: Step, source: str) -> bool:
@@ -462,8 +494,7 @@ def _suffix_round(target, draft, x: int, prop: SuffixProposal, depth: int, room:
     on_chain = 0
     while on_chain < min(len(path), len(prop.chain)) and accepted[on_chain] == prop.chain[on_chain]:
         on_chain += 1
-    policy.observe(*(lookup_evidence(prop.chain, drafted, on_chain, nxt, sampling.greedy) if on_chain == len(path)
-                     else (drafted, on_chain)), source="suffix")
+    policy.observe(*suffix_evidence(prop.chain, drafted, len(path), on_chain, nxt, sampling.greedy), source="suffix")
     policy.observe_time(Shape(depth, tree.n - 1, tree.n - 1, source="suffix"), 0, time.perf_counter() - t0)
     emitted, stop = _truncate_at_stop(target, accepted, left)
     rnd = Round(drafted=tree.n - 1, accepted=len(path), emitted=len(emitted), draft_s=0.0, verify_s=verify_s,

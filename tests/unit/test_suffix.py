@@ -86,7 +86,7 @@ def test_past_outputs_are_matched_but_never_across_their_boundaries():
 def test_a_repeated_prompt_copies_the_past_answer_from_its_first_token():
     prompt, answer = list(range(100, 140)), [7, 3, 9, 4, 1, 8, 2, 6, 5, 0]
     for context, want in ((32, answer[:8]), (0, None)):  # 0: the output alone, which nothing matches yet
-        cache = SuffixCache(SuffixConfig(prompt_context=context))
+        cache = SuffixCache(SuffixConfig(prompt_context=context, max_depth=8))  # the chain cut at max_depth
         first = SuffixRequest(prompt, cache)
         first.extend(answer)
         first.finish()
@@ -102,7 +102,7 @@ def test_a_request_in_flight_lends_its_output_to_a_peer_behind_it():
     ahead.extend([7, 3, 9, 4, 1, 8, 2, 6, 5, 0])
     assert behind.propose(tree=False) is None  # nothing in its own text or a cache
     prop = behind.propose(tree=False, peers=[ahead, behind])
-    assert prop.chain == [7, 3, 9, 4, 1, 8, 2, 6] and prop.cached and prop.match == 32
+    assert prop.chain == [7, 3, 9, 4, 1, 8, 2, 6, 5, 0] and prop.cached and prop.match == 32
     behind.extend([7, 3])
     assert behind.propose(tree=False, max_depth=4, peers=[ahead]).chain == [9, 4, 1, 8]
     assert ahead.propose(tree=False, peers=[behind]) is None  # the peer behind has not written this text yet
@@ -155,8 +155,9 @@ def curve(t1: float = 10.0, slope: float = 2.0) -> CostCurve:
 def test_a_suffix_tree_is_chosen_where_it_pays_and_probed_where_it_does_not():
     policy = AutoPolicy(curve(slope=4.0), max_depth=0, suffix_depth=8, probe_every=4, decay=1.0)
     sizes = [0, 1, 3, 4, 5]  # two nodes at depth 2
-    # no evidence yet (alpha 0.5): no depth beats plain rounds by 8% (1.5 tokens for 1.4 t(1) at depth 1)
-    shapes = [policy.choose(suffix=sizes, suffix_match=5) for _ in range(8)]
+    # no evidence yet: after a short match in past outputs (prior 0.3) no depth beats plain rounds (1.3 tokens
+    # for 1.4 t(1) at depth 1): probes
+    shapes = [policy.choose(suffix=sizes, suffix_match=2, suffix_cached=True) for _ in range(8)]
     assert [s.probe for s in shapes].count(True) == 2 and all(s.source == "suffix" for s in shapes if s.depth)
     assert all(s.depth == 1 and s.tokens == 1 for s in shapes if s.depth)
     for _ in range(40):  # long matches in this bucket are accepted all the way
@@ -176,8 +177,11 @@ def test_verified_suffix_rounds_teach_the_chosen_bucket_and_its_measured_cost():
         policy.observe_suffix_chain(20, 3, 3)
     shape = policy.choose(suffix=[0, 1, 2, 3], suffix_match=20)
     assert shape.depth == 3
-    # past outputs alone keep statistics of their own: nothing learnt there yet
-    assert policy.choose(suffix=[0, 1, 2, 3], suffix_match=20, suffix_cached=True).depth < 3
+    # past outputs alone keep statistics of their own: what they teach leaves the request's own text's alone
+    for _ in range(30):
+        policy.observe_suffix_chain(20, 3, 0, cached=True)
+    assert policy.choose(suffix=[0, 1, 2, 3], suffix_match=20, suffix_cached=True).depth == 0
+    assert policy.choose(suffix=[0, 1, 2, 3], suffix_match=20).depth == 3
     for _ in range(10):
         policy.choose(suffix=[0, 1, 2, 3], suffix_match=20)
         policy.observe(3, 0, source="suffix")  # now rejected at once
@@ -207,3 +211,69 @@ def test_a_tree_competes_with_its_most_probable_path_by_the_cost_of_its_rows():
         chosen[slope] = policy.choose(suffix=prop.sizes(), suffix_match=prop.match, suffix_boost=prop.boost())
     assert chosen[0.5].width > 1 and chosen[0.5].tokens == 4  # the whole tree
     assert chosen[6.0].width == 1 or chosen[6.0].depth == 0  # the chain, or nothing
+
+
+def steep(t1: float = 5.6) -> CostCurve:
+    """A CPU whose matrix kernels work in 4-row tiles: 2 rows cost nearly 2 decodes, 4 rows 2.3, 16 rows 5.3
+    (SmolLM2 Q4_0 with repacked weights, 2 threads, ``hetero-spec calibrate``)."""
+    ratio = {1: 1.0, 2: 1.9, 3: 2.2, 4: 2.3, 5: 2.75, 6: 3.2, 7: 3.7, 8: 3.5, 9: 4.2, 10: 4.45, 11: 5.05, 12: 5.0,
+             13: 5.6, 14: 6.1, 15: 6.6, 16: 5.3, 17: 6.1}
+    return CostCurve({n: t1 * ratio.get(n, n / 3) for n in range(1, 33)}, 0.3, {n: 0.3 for n in range(1, 33)})
+
+
+def test_a_long_match_is_copied_deep_from_the_first_round_and_a_short_one_in_past_outputs_waits():
+    from hetero_spec.spec.policy import SUFFIX_MATCH_BUCKETS, SUFFIX_PRIOR_ALPHAS
+
+    assert len(SUFFIX_PRIOR_ALPHAS) == 2 * len(SUFFIX_MATCH_BUCKETS)  # a prior for every bucket, own and cached
+    policy = AutoPolicy(steep(), max_depth=0, suffix_depth=16)
+    sizes, boost = list(range(17)), [1.0] * 17  # one continuation: the tree is the chain
+    deep = policy.choose(suffix=sizes, suffix_match=24, suffix_boost=boost)
+    assert deep.source == "suffix" and deep.depth >= 7  # 98% a token behind 16+ matched tokens: 8 rows or more
+    short = policy.choose(suffix=sizes[:4], suffix_match=2, suffix_boost=boost[:4], suffix_cached=True)
+    assert short.depth == 0 or short.probe  # 30% at the first token: not worth a 2-row decode
+
+
+def test_a_chain_may_run_deeper_than_its_capped_tree():
+    policy = AutoPolicy(steep(), max_depth=0, suffix_depth=16)
+    sizes = [0, 2, 4, 6, 8, 10, 12]  # two branches to depth 6: the tree's 12 nodes end there
+    boost = [1.0] + [1.0] * 16  # the most probable path goes on to depth 16
+    shape = policy.choose(suffix=sizes, suffix_match=24, suffix_boost=boost)
+    assert shape.width == 1 and shape.depth > 6  # the chain alone, past the tree
+
+
+def test_the_unverified_rest_of_a_chain_accepted_whole_teaches_the_deeper_depths():
+    from hetero_spec.spec.orchestrator import _open_tail
+    from hetero_spec.spec.policy import AcceptanceStats
+    from hetero_spec.spec.shadow import ShadowChain
+    from hetero_spec.spec.suffix import SuffixProposal
+
+    stats = AcceptanceStats(8, decay=0.5)
+    stats.observe(3, 3)
+    stats.observe(5, 5, first=4)  # depths 4 and 5 alone, added to the round that reached depth 3
+    assert stats.reached[1:] == [1, 1, 1, 1, 1, 0, 0, 0] and stats.accepted[1:6] == [1, 1, 1, 1, 1]
+    stats.observe(8, 6, first=5)  # reached 5..7, accepted 5 and 6: nothing before 5 forgotten or added
+    assert stats.reached[1:] == [1, 1, 1, 1, 2, 1, 1, 0] and stats.accepted[5:8] == [2, 1, 0]
+
+    policy = AutoPolicy(steep(), max_depth=0, suffix_depth=16)
+    chain = [10, 11, 12, 13, 14, 15, 16, 17]
+    prop = SuffixProposal(tokens=[-1, *chain], parents=list(range(-1, 8)), depths=list(range(9)), probs=[1.0] * 9,
+                          match=2, chain=chain, chain_probs=[1.0] * 8, cached=True)
+    bucket = policy.suffix_buckets[4]  # past outputs, match 2-3
+    before = [bucket.alpha(d) for d in range(1, 9)]
+    tail = ShadowChain()
+    _open_tail(tail, prop, [10, 11, 99], policy)  # the bonus token left the chain: nothing to check
+    assert not tail.guesses
+    _open_tail(tail, prop, [10, 11, 12], policy)  # 2 verified rows and the bonus token on the chain
+    assert tail.guesses == [13, 14, 15, 16, 17]
+    tail.check([13, 14, 15])
+    tail.check([16, 0])  # the 5th of the rest left it: depths 4..7 right, depth 8 wrong
+    assert not tail.guesses
+    after = [bucket.alpha(d) for d in range(1, 9)]
+    assert after[:3] == before[:3] and all(a > b for a, b in zip(after[3:7], before[3:7])) and after[7] < before[7]
+
+
+def test_the_first_use_calibration_times_every_width_a_suffix_round_may_verify():
+    from hetero_spec.api import AUTO_SUFFIX_DEPTH, QUICK_ROWS
+
+    # t(n) is not smooth where kernels work in 4-row tiles: an interpolated width would be mispriced
+    assert set(range(1, AUTO_SUFFIX_DEPTH + 2)) <= set(QUICK_ROWS)
