@@ -32,7 +32,7 @@ from hetero_spec.spec.orchestrator import suffix_evidence
 from hetero_spec.spec.policy import SUFFIX_MATCH_BUCKETS, AcceptanceStats, AutoPolicy, Shape, suffix_bucket
 from hetero_spec.spec.shadow import ShadowChain
 from hetero_spec.spec.suffix import SuffixCache, SuffixConfig, SuffixProposal, SuffixRequest, prompt_key
-from replay_lookup import Answer, load_answers, load_curves  # the greedy answers, as bench renders the prompts
+from replay_lookup import Answer, load_answers, load_curves, run_of_right  # the greedy answers, as bench renders the prompts
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,7 @@ def accepted_run(prop: SuffixProposal, depth: int, chain: bool, truth: list[int]
     """(accepted tokens, rows verified) of a round that verifies ``prop`` cut at ``depth``, greedy."""
     if chain:
         nodes = prop.chain[:depth]
-        out = []
-        for p, t in zip(nodes, truth):
-            if p != t:
-                break
-            out.append(p)
-        return out, len(nodes) + 1
+        return nodes[: run_of_right(nodes, truth)], len(nodes) + 1
     tokens, parents = prop.truncated(depth)
     out, node = [], 0
     while len(out) < len(truth):

@@ -285,11 +285,10 @@ def suffix_evidence(chain: list[int], drafted: int, path: int, on_chain: int, bo
     ``chain``: the round's tree reached depth ``drafted``, its accepted path ``path`` deep, the first
     ``on_chain`` of those on the chain.  Where the path stayed on the chain, a greedy round also checks the
     chain's next token against the ``bonus`` token, whether or not the tree held it (a capped tree may leave
-    it out for a likelier branch elsewhere); where the path left the chain, the chain's token there lost."""
-    if on_chain < path:
-        return drafted, on_chain
-    if greedy and on_chain < len(chain):
-        return on_chain + 1, on_chain + int(bonus == chain[on_chain])
+    it out for a likelier branch elsewhere: prompt lookup's rule, ``lookup_evidence``, at the path's depth); where
+    the path left the chain, the chain's token there lost."""
+    if greedy and on_chain == path:
+        return lookup_evidence(chain, path, path, bonus, greedy)  # at the chain's end: (path, path)
     return drafted, on_chain
 
 

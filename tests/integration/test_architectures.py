@@ -35,7 +35,7 @@ from hetero_spec.target import _ffi
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.tiny_models import FAMILIES, QUANTS, build_all
 from tests.conftest import bench_prompts
-from tests.curves import CHEAP_ROWS
+from tests.curves import CHEAP_ROWS  # verification rows nearly free: auto drafts whatever this machine's timing
 
 CLI = [sys.executable, "-m", "hetero_spec"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,10 +59,6 @@ def exact_rows(family: str, quant: str, is_repacked: bool) -> int:
     if FAMILIES[family].arch == "qwen3moe" and quant == "Q4_0" and not is_repacked:
         return 1
     return EXACT_ROWS[(quant, is_repacked)]
-
-
-# auto's cost curve for the exactness tests: verification rows nearly free, so auto drafts the longest chains
-# (and prompt lookup drafts whenever it matches) whatever this machine's timing; no calibration runs
 
 
 def _id(case) -> str:

@@ -19,9 +19,8 @@ from hetero_spec.config import TreeSpec
 from hetero_spec.target import invariance
 from hetero_spec.target.llama_target import BATCH_INVARIANT_ROWS, LlamaTarget, TargetOptions
 from hetero_spec.tiny_models import tiny_model_path
-from tests.curves import CHEAP_ROWS
+from tests.curves import CHEAP_ROWS  # verification rows nearly free: auto drafts the longest chains its cap allows
 
-# verification rows nearly free: auto drafts the longest chains its cap allows, whatever this machine's timing
 PROMPT = "the farmer sold sixteen eggs and the farmer sold sixteen eggs and the farmer sold"
 
 
