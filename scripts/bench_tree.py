@@ -96,12 +96,18 @@ def auto_choice(hs: HeteroSpec, n_tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default="/tmp/untrained.safetensors")
+    ap.add_argument("--draft", default=None,
+                    help="a draft file (default: an untrained darter, made once in hetero-spec's cache)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="target threads (0 = physical cores)")
     args = ap.parse_args()
     model = args.model or shipped_model_path()
+    if args.draft is None:
+        from hetero_spec.target.gguf_weights import cache_dir
+
+        args.draft = cache_dir() / "bench-tree" / "untrained-darter.safetensors"
+        args.draft.parent.mkdir(parents=True, exist_ok=True)
     if not Path(args.draft).exists():
         from hetero_spec.draft_factory import create_draft
 

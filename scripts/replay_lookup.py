@@ -14,7 +14,7 @@ checked on plain rounds: auto's earlier rule) and "by match" (statistics per mat
 whole proposals checked: ``AutoPolicy.observe_lookup_chain``).
 
     python scripts/replay_lookup.py MODEL --curve ~/.cache/hetero-spec/calibration/x10-t2-*.json \\
-        --curve laptop-7b-q4_0 --tokens /tmp/answers.json
+        --curve laptop-7b-q4_0 --tokens answers.json
 """
 from __future__ import annotations
 
