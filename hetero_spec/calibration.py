@@ -43,8 +43,12 @@ CURVE_VERSION = 1
 DRAFT_STEP_VERSION = 4
 # Bumped when what t(n) means changes, so that every cached curve is measured again (v2: each width timed
 # as a round among plain rounds, ``_round_among_plain_rounds``; v3: the first-use calibration times every
-# width up to the deepest copy chain's, ``api.QUICK_ROWS``).
-TIMING_VERSION = 3
+# width up to the deepest copy chain's, ``api.QUICK_ROWS``; v4: with the plain decodes that settle after it,
+# ``SETTLE_ROUNDS``).
+TIMING_VERSION = 4
+# One-row decodes timed after each wider one, whose after-effect they carry (``_round_among_plain_rounds``);
+# auto leaves as many plain rounds after a wider round out of its measured plain cost (``spec.policy``).
+SETTLE_ROUNDS = 8
 MAX_ROWS = 32  # the batch-invariant micro-batch: a verification never decodes more rows at once
 PREFIX_TOKENS = 128  # verification is timed after a prefix of this length (attention cost is real)
 _FILLER = (
@@ -187,18 +191,33 @@ def _warm_up(fn: Callable[[], None], *, calls: int, seconds: float) -> None:
 
 
 def _round_among_plain_rounds(verify: Callable[[int], None], n: int) -> float:
-    """Seconds an n-row decode adds to a stream of one-row decodes, plus one t(1): its own time and the
-    next one-row decode's, right after a one-row decode (n = 1: two plain rounds).
+    """Seconds of an n-row decode right after a one-row decode, plus the ``SETTLE_ROUNDS`` one-row decodes
+    after it: less ``SETTLE_ROUNDS`` settled plain decodes (``_plain_stream``), what inserting the round
+    into plain decoding costs.
 
-    WHY: llama.cpp reuses a decode's graph only while the batch keeps its shape, and a one-row decode
-    right after a wider one pays the rebuild and colder caches.  Timed in isolation after decodes of
-    every width (as calibration did), t(1) of SmolLM2 Q4_0 came out at 6.4-7.5 ms where a plain stream
-    decodes at 4.2 ms (2-core Xeon VM), so drafting looked half as dear as it is and auto drafted at a
-    loss.  Timed this way, each width carries what inserting one such round into plain decoding costs."""
+    WHY: a one-row decode right after a wider one is dearer than one in a stream of them, and not only the
+    first.  llama.cpp reuses a decode's graph only while the batch keeps its shape, and on the 2-core Xeon
+    VM (SmolLM2 Q4_0, a settled decode 5.3 ms) the one-row decodes after a 16-row decode took 8.4, 7.9, 7.1,
+    6.7, 6.4, 6.3, 6.0 and 5.8 ms, after a 2-row one 6.9, 6.2, 6.1 and 5.8 ms (after 30 ms asleep too:
+    whatever the host does, its caches or clocks settle over several decodes).  Timed with only the next
+    decode, t(1) came out at 6.1 ms against a plain stream's 4.4, and every width at less than it costs:
+    with its 45%-accepted darter draft, auto drafted on mt_bench at 0.82x of plain decoding."""
     verify(1)  # the round before it: a plain one
     t0 = time.perf_counter()
     verify(n)
-    verify(1)
+    for _ in range(SETTLE_ROUNDS):
+        verify(1)
+    return time.perf_counter() - t0
+
+
+def _plain_stream(verify: Callable[[int], None]) -> float:
+    """Seconds of ``SETTLE_ROUNDS`` one-row decodes in a stream that has settled for as many: t(1) is
+    what plain decoding costs a token once nothing else ran."""
+    for _ in range(SETTLE_ROUNDS):
+        verify(1)
+    t0 = time.perf_counter()
+    for _ in range(SETTLE_ROUNDS):
+        verify(1)
     return time.perf_counter() - t0
 
 
@@ -254,11 +273,11 @@ def measure(
             order = ns[:] if i < repeats else focus[:]
             rng.shuffle(order)
             for n in order:
-                samples[n].append(_round_among_plain_rounds(verify, n))
+                samples[n].append(_plain_stream(verify) if n == 1 else _round_among_plain_rounds(verify, n))
                 if progress:
                     progress(1)
-        t1 = statistics.median(samples[1]) / 2  # a pair of plain rounds
-        verify_ms = {n: 1e3 * (t1 if n == 1 else statistics.median(samples[n]) - t1) for n in ns}
+        t1 = statistics.median(samples[1]) / SETTLE_ROUNDS
+        verify_ms = {n: 1e3 * (t1 if n == 1 else statistics.median(samples[n]) - SETTLE_ROUNDS * t1) for n in ns}
         step_ms, rows_ms, switch_ms = 0.0, {}, 0.0
         if runner is not None:
             step_ms, rows_ms, switch_ms = _measure_draft(runner, hidden, tokens, ns, repeats, progress,

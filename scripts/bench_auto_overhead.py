@@ -60,7 +60,7 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
             if name == "raw":
                 r = raw.run(prompt, max_new_tokens)
                 return r.wall_s, r.prefill_s, r.new_tokens, r.tokens
-            hs._policy = (lambda cfg: never) if name == "never" else auto_policy
+            hs._policy = (lambda cfg, suffix=False: never) if name == "never" else auto_policy
             hs.reset()
             t0 = time.perf_counter()
             out = hs.generate(prompt, max_new_tokens=max_new_tokens, draft_len=0 if name == "plain" else "auto")

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import SamplingConfig
 from ..records import Round
-from .policy import LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
+from .policy import CATCHUP_ROWS, LOOKUP_MATCH_BUCKETS, FixedPolicy, Shape
 from .sampling import process_logits, process_support, sample_support
 from .lookup import NgramLookup, lookup_evidence
 from .shadow import ShadowChain
@@ -25,11 +25,6 @@ from .tree import Tree
 from .verify import greedy_accept, greedy_accept_tree, sample_accept_tree
 
 TOKEN_BYTES = 4  # int32 ids on both sides
-# Most rows a draft catches up on before it drafts; older pending rows become holes.  After a
-# plain stretch auto probes with one drafted round, and catching up on all 128 rows since
-# the last probe took 6.2 ms against 1.0 ms for 8 and 2.0 ms for 32 (eagle draft, 1 thread):
-# most of the probe's cost.  An EAGLE-style draft leans on the recent rows.
-CATCHUP_ROWS = 16
 
 
 class Target(Protocol):

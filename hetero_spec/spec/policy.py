@@ -32,6 +32,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from ..calibration import SETTLE_ROUNDS
+
 
 class Curve(Protocol):
     """What the policy needs of ``hetero_spec.calibration.CostCurve``."""
@@ -226,9 +228,15 @@ class MeasuredCost:
         r = min(max(math.log(measured_ms / modelled_ms), -0.7), 1.4)  # 0.5x .. 4x
         if kind != "plain":
             r -= self.log_ratio.get("plain", 0.0)
-        w = self.decay if self.seen.get(kind) else 0.0
+        # Plain rounds (settled ones only, ``AutoPolicy.observe_time``) start from the mean of their first
+        # figures, so that the other kinds are soon measured against them.  The other kinds start from the
+        # curve, as if it had been measured: a kind's first figure alone set it before, and one slow round
+        # (the first after a long prompt's prefill cost 2.3x its curve) then priced the kind out for good,
+        # since a kind that is not chosen is not measured again.
+        n = self.seen.get(kind, 0)
+        w = min(self.decay, n / (n + 1)) if kind == "plain" else self.decay
         self.log_ratio[kind] = w * self.log_ratio.get(kind, 0.0) + (1 - w) * r
-        self.seen[kind] = self.seen.get(kind, 0) + 1
+        self.seen[kind] = n + 1
 
     def scale(self, kind: str) -> float:
         """Rounds of ``kind``: their cost against the curve relative to plain rounds' (1 until both are seen)."""
@@ -261,12 +269,13 @@ class Backoff:
             return True
         return False
 
-    def settle(self, pays: bool, cap: int | None = None) -> None:
-        """``cap``: the longest gap allowed now (``max_gap`` if None)."""
-        self.gap = self.first if pays else min(2 * self.gap, cap or self.max_gap)
+    def settle(self, pays: bool, cap: int | None = None, restart: int | None = None) -> None:
+        """``cap``: the longest gap allowed now (``max_gap`` if None); ``restart``: the gap when it pays
+        (``first`` if None)."""
+        self.gap = (restart or self.first) if pays else min(2 * self.gap, cap or self.max_gap)
 
-    def reset(self) -> None:
-        self.streak, self.gap = 0, self.first
+    def reset(self, restart: int | None = None) -> None:
+        self.streak, self.gap = 0, restart or self.first
 
     @property
     def rounds_to_due(self) -> int:
@@ -282,14 +291,24 @@ class Backoff:
 # its first rounds.
 NEW_TEXT_KEEP = 0.25
 BREAK_EVEN_BAND = 0.95  # drafting estimated at least this fraction of plain speed keeps probes frequent
-# Draft probes back off only while their modelled draft forwards cost more than this share of the plain
-# rounds between them.  On the scale-10 target (a step 0.03 t(1)) the gap then stays at 16-25 rounds:
+# Draft probes back off only while they cost more than this share of the plain rounds between them, priced
+# at what a probe costs (``AutoPolicy._probe_cost_ms``: its draft forwards, its catch-up and the rounds that
+# keep rows for it).  On the scale-10 target (a step 0.03 t(1)) the gap then stays at 16-28 rounds:
 # backing off to 128 only froze the statistics there, and after a bad streak on mt_bench auto drafted
 # no round in the next 60 prompts (one probe a prompt; stop 25, docs/bench.md).  On SmolLM2 Q4_0 (a step
-# 0.3 t(1)) the gap still grows to 128: a probe really costs 2-3x its modelled forwards (the catch-up
-# of the rows before it, and rounds with embeddings on), and at a 1% share auto spent 2% of its time
-# on probes there instead of 1%.
-PROBE_BUDGET = 0.003
+# 0.3 t(1)) the gap still grows to 128.
+PROBE_BUDGET = 0.005
+# Near break-even, where the estimate decides and a bad streak would freeze it, draft probes may take this
+# share of the plain rounds' time; elsewhere ``PROBE_BUDGET``.  Both price a probe at what it really costs
+# (``_probe_cost_ms``): on the scale-10 target that leaves the first gap (16 rounds); on SmolLM2 Q4_0 on
+# a host where 2 rows cost 2.4 decodes, a probe cost 2 decodes in all, and probes every 16 rounds put auto
+# 3-6 points behind lookup alone (stop 51).
+NEAR_BREAK_EVEN_PROBE_BUDGET = 0.02
+# Most rows a draft catches up on before it drafts; older pending rows become holes.  After a
+# plain stretch auto probes with one drafted round, and catching up on all 128 rows since
+# the last probe took 6.2 ms against 1.0 ms for 8 and 2.0 ms for 32 (eagle draft, 1 thread):
+# most of the probe's cost.  An EAGLE-style draft leans on the recent rows.
+CATCHUP_ROWS = 16
 # Prompt-lookup statistics are kept apart by the length of the match behind a proposal (the lower
 # bounds of the buckets, in tokens): on SmolLM2's greedy answers to the bench prompts the first
 # proposed token was right 59% of the time after a match of 2-3 tokens, 77% after 4-7 and 94% after
@@ -388,6 +407,8 @@ class AutoPolicy:
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
         self._t1_ms = curve.verify_time_ms(1)
+        self._since_wide = 0  # plain rounds since the last decode wider than one row (a round's, or a prompt's)
+        self._keeping = False  # the last ``wants_rows`` answer: this round keeps its hidden state
         # The suffix structure (``spec/suffix.py``): trees of up to ``suffix_nodes`` nodes, statistics per
         # match bucket of the depth along the tree a round reached, and probes like lookup's.  max_depth 0
         # means there is no draft model: the copy sources alone, and never a draft probe.
@@ -493,22 +514,42 @@ class AutoPolicy:
         check it, ``spec.shadow.ShadowChain``.)"""
         return self._best_drafted(1, 0, 1.0)[0]
 
-    def _probe_gap_cap(self) -> int | None:
-        """The longest gap between draft probes worth having: the one at which a probe's draft forwards
-        cost ``probe_budget`` of the plain rounds between them (never below ``probe_every``).  Rarer
-        probes would save almost nothing and leave the acceptance statistics stale."""
-        if not self.probe_budget:
-            return None
+    def _probe_cost_ms(self) -> float:
+        """What a draft probe adds to plain decoding: its draft forwards, the catch-up over the
+        ``CATCHUP_ROWS`` rows before it, and those rows' rounds, which keep their hidden states for it
+        (measured against plain rounds: the "kept" kind of ``MeasuredCost``)."""
         depth = self._probe_depth()
         draft_ms = round_cost_ms(self.curve, Shape(depth)) - self.curve.verify_time_ms(1 + depth)
-        cap = math.ceil(draft_ms / (self.probe_budget * self._t1_ms))
-        return min(self._draft_probe.max_gap, max(self._draft_probe.first, cap))
+        catch_up_ms = self.curve.draft_rows_time_ms(CATCHUP_ROWS) - self.curve.draft_rows_time_ms(1)
+        keep_ms = CATCHUP_ROWS * self._t1_ms * max(0.0, self.cost.scale("kept") - 1.0)
+        return draft_ms + catch_up_ms + keep_ms
+
+    def _probe_gap(self, budget: float) -> int:
+        """The gap between draft probes at which they cost ``budget`` of the plain rounds between them
+        (within ``probe_every`` .. ``max_probe_gap``)."""
+        gap = math.ceil(self._probe_cost_ms() / (budget * self._t1_ms))
+        return min(self._draft_probe.max_gap, max(self._draft_probe.first, gap))
+
+    def _probe_gap_cap(self) -> int | None:
+        """The longest gap between draft probes worth having: the one at which probes cost
+        ``probe_budget`` of the plain rounds between them (never below ``probe_every``).  Rarer
+        probes would save almost nothing and leave the acceptance statistics stale."""
+        return self._probe_gap(self.probe_budget) if self.probe_budget else None
+
+    def _probe_restart(self) -> int:
+        """The probe gap while the draft pays or is near paying: the first gap while it is expected to
+        draft, else the one at which probes cost ``NEAR_BREAK_EVEN_PROBE_BUDGET`` of the time."""
+        return self._draft_probe.first if self.expects_drafting() else self._probe_gap(NEAR_BREAK_EVEN_PROBE_BUDGET)
+
+    def _settle_draft_probe(self) -> None:
+        near = self.expects_drafting() or self._near_break_even()
+        self._draft_probe.settle(near, self._probe_gap_cap(), self._probe_restart() if near else None)
 
     def _near_break_even(self) -> bool:
         """Whether the best drafted shape, at the measured cost, is within ``BREAK_EVEN_BAND`` of plain
         rounds.  There the estimate decides, and it is noisy: a bad streak stops drafting and then
-        freezes the statistics low, since only probes update them.  Near break-even a probe costs
-        almost nothing, so probing stays frequent; far below it, the gap doubles."""
+        freezes the statistics low, since only probes update them.  Near break-even probing stays as
+        frequent as its cost allows (``_probe_restart``); far below it, the gap doubles."""
         rate = self._best_drafted(self.width, self.total, self.cost.drafted_scale)[1]
         return rate >= BREAK_EVEN_BAND / round_cost_ms(self.curve, Shape(0))
 
@@ -522,8 +563,9 @@ class AutoPolicy:
         and the rounds that keep rows for it), and they cannot find a draft that pays."""
         self.stats.forget(NEW_TEXT_KEEP)
         self._best_shape = None
+        self._since_wide = 0  # the prompt's decode
         if self.max_depth and (self.expects_drafting() or self._near_break_even()):
-            self._draft_probe.reset()
+            self._draft_probe.reset(self._probe_restart())
 
     def expects_drafting(self) -> bool:
         """Whether the draft model is expected to run soon (it then needs the prompt's rows)."""
@@ -535,7 +577,8 @@ class AutoPolicy:
         rows at most, older ones are holes anyway).  Other plain rounds decode without embeddings,
         as plain decoding does (measured on SmolLM2 Q4_0, 2 threads: rounds with embeddings on ran at
         0.975x of the raw loop)."""
-        return self.expects_drafting() or (self.max_depth > 0 and self._draft_probe.rounds_to_due <= within)
+        self._keeping = self.expects_drafting() or (self.max_depth > 0 and self._draft_probe.rounds_to_due <= within)
+        return self._keeping
 
     def choose(self, lookup: int = 0, match: int = 0, suffix: Sequence[int] = (), suffix_match: int = 0,
                suffix_boost: Sequence[float] = (), suffix_cached: bool = False) -> Shape:
@@ -582,7 +625,7 @@ class AutoPolicy:
             if source == "draft":
                 self._best_shape = None
         if self._probing == "draft":  # the gap grows only while drafting is clearly not worth it
-            self._draft_probe.settle(self.expects_drafting() or self._near_break_even(), self._probe_gap_cap())
+            self._settle_draft_probe()
         elif self._probing == "lookup":
             self._lookup_probe.settle(self._best_lookup(self.lookup_depth)[0].depth > 0)
         elif self._probing == "suffix":  # whether a chain as deep as allowed would pay at this match length
@@ -612,7 +655,7 @@ class AutoPolicy:
         It arrives once the target's own tokens have settled it, possibly rounds later."""
         self.stats.observe(drafted_depth, accepted)
         self._best_shape = None
-        self._draft_probe.settle(self.expects_drafting() or self._near_break_even(), self._probe_gap_cap())
+        self._settle_draft_probe()
 
     def observe_lookup_chain(self, match: int, drafted_depth: int, accepted: int) -> None:
         """A greedy prompt-lookup proposal of ``drafted_depth`` tokens, behind a match of ``match``
@@ -637,10 +680,25 @@ class AutoPolicy:
             self._best_shape = None
 
     def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
-        """One round's wall time; ``rows_consumed``: real rows the draft caught up on in it."""
-        if shape.depth == 0 and self.cost.seen.get("plain"):  # every plain round, so kept short: the other
-            # kinds' ratios are kept relative to plain rounds', so a plain round changes no choice
-            self.cost.observe("plain", 1e3 * seconds, self._t1_ms)
+        """One round's wall time; ``rows_consumed``: real rows the draft caught up on in it.
+
+        The ``SETTLE_ROUNDS`` plain rounds after a wider decode (a drafted round, or the prompt's) are not
+        counted: they cost more than settled plain decoding (llama.cpp rebuilds its graph, and the host's
+        caches or clocks settle over several decodes), which the calibration charges to the wider round
+        (``calibration._round_among_plain_rounds``).  Counted as plain, the one such round of a request that
+        drafted from its first round set plain rounds at 1.6x the curve; the drafted rounds, priced against
+        that, looked 40% cheaper than they were, and auto drafted chains accepted 45% of the time at 0.79x of
+        plain decoding (SmolLM2 Q4_0 and the shipped darter, mt_bench, on a host where 2 rows cost 1.7
+        decodes)."""
+        settling = self._since_wide < SETTLE_ROUNDS
+        self._since_wide = 0 if shape.depth else self._since_wide + 1
+        if shape.depth == 0 and self._keeping and not settling:  # a plain round that kept its hidden state
+            self.cost.observe("kept", 1e3 * seconds, self._t1_ms)  # (what a probe's rows cost, ``_probe_cost_ms``)
+            return
+        if shape.depth == 0 and (settling or self.cost.seen.get("plain")):  # every plain round, so kept
+            # short: the other kinds' ratios are kept relative to plain rounds', so a plain round changes no choice
+            if not settling:
+                self.cost.observe("plain", 1e3 * seconds, self._t1_ms)
             return
         modelled = round_cost_ms(self.curve, shape)
         if shape.kind == "draft" and rows_consumed > 1:

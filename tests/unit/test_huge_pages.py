@@ -1,7 +1,6 @@
 """The native draft step's weight arena (draft/huge_pages.py): exact copies, aligned, in 2 MB pages where the
 kernel's THP mode allows, and a fallback that keeps working once the arena is full."""
 import numpy as np
-import pytest
 import torch
 
 from hetero_spec.config import DenoiseConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetero_spec.calibration import CostCurve
+from hetero_spec.calibration import SETTLE_ROUNDS, CostCurve
 from hetero_spec.spec.lookup import NgramLookup
 from hetero_spec.spec.policy import AutoPolicy, Shape
 from hetero_spec.spec.suffix import SEP, SuffixCache, SuffixConfig, SuffixRequest, prompt_key
@@ -186,8 +186,8 @@ def test_verified_suffix_rounds_teach_the_chosen_bucket_and_its_measured_cost():
         policy.choose(suffix=[0, 1, 2, 3], suffix_match=20)
         policy.observe(3, 0, source="suffix")  # now rejected at once
     assert policy.suffix_buckets[3].alpha(1) < 0.8
-    policy.observe_time(Shape(0), 0, 0.010)
-    policy.observe_time(Shape(0), 0, 0.010)
+    for _ in range(SETTLE_ROUNDS + 2):  # settled plain rounds at the curve's speed
+        policy.observe_time(Shape(0), 0, 0.010)
     for _ in range(30):  # suffix rounds measured 4x dearer than the curve says
         policy.observe_time(Shape(3, 3, 3, source="suffix"), 0, 4 * 0.016)
     assert policy.cost.scale("suffix") > 3
