@@ -4,9 +4,10 @@ Acceptance does not depend on the machine (greedy output is the target's alone),
 would use prompt lookup can be judged offline, far from the bench's noise (per-prompt speed
 ratios spread by 5-10% on this VM): each answer is generated once, then every round is
 replayed, with the policy choosing from what ``NgramLookup`` offers and learning from what the
-answer says would have been accepted.  A round costs the curve's t(rows) plus ``--rebuild``
-t(1) whenever its row count differs from the previous round's, since llama.cpp builds a new
-graph then (``scripts/bench_shape_change.py``).  The draft model is left out (its acceptance
+answer says would have been accepted.  A round costs the curve's t(rows), which carries what
+the round does to the plain decodes after it (calibration ``TIMING_VERSION`` 4), plus ``--rebuild``
+t(1) whenever its row count differs from the previous round's, for curves timed without them
+(``scripts/bench_shape_change.py``; 0 by default).  The draft model is left out (its acceptance
 prior is set so low that it never pays); its probes count as plain rounds.
 
 Two ways of learning are compared: "pooled" (one set of lookup statistics, first proposed token
@@ -152,7 +153,8 @@ def replay(answers: list[Answer], curve: CostCurve, rebuild: float, by_match: bo
 @click.option("--datasets", default=",".join(DATASETS) + ",translate", show_default=True)
 @click.option("--n-prompts", default=20, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--rebuild", default=0.25, show_default=True, help="t(1) added to a round whose row count changes")
+@click.option("--rebuild", default=0.0, show_default=True,
+              help="t(1) added to a round whose row count changes (for curves timed without the decodes after each width)")
 @click.option("--tokens", type=click.Path(dir_okay=False), help="cache of the greedy answers (JSON), reused if present")
 @click.option("--lookup-depth", default=AUTO_LOOKUP_DEPTH, show_default=True, help="longest lookup chain")
 @click.option("-t", "--threads", default=1, show_default=True)

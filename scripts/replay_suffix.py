@@ -6,8 +6,9 @@ for prompt lookup: each answer is generated once, then every round is replayed i
 the prompts (one shared cache of past answers, as ``bench``'s ``auto-suffix``), with the policy choosing from
 what ``SuffixRequest`` proposes and learning from what the answer says verification would have accepted, by
 the runtime's own rules (``spec/orchestrator.py``: verified rounds, whole chains checked on plain rounds,
-the unverified rest of a chain accepted whole).  A round costs the curve's t(rows) plus ``--rebuild`` t(1)
-whenever its row count differs from the previous round's (llama.cpp builds a new graph then).  A round's
+the unverified rest of a chain accepted whole).  A round costs the curve's t(rows), which carries what the
+round does to the plain decodes after it (calibration ``TIMING_VERSION`` 4), plus ``--rebuild`` t(1) whenever
+its row count differs from the previous round's, for a curve timed without them (0 by default).  A round's
 depth is capped where the answer ends, which the runtime does not know before an end-of-generation token:
 answers that stop early replay a little better than they run.
 
@@ -157,7 +158,8 @@ VARIANTS = {v.name: v for v in (
 @click.option("--datasets", default="grounded,multiturn,agentic,mt_bench,humaneval,gsm8k,alpaca", show_default=True)
 @click.option("--n-prompts", default=20, show_default=True)
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--rebuild", default=0.25, show_default=True, help="t(1) added to a round whose row count changes")
+@click.option("--rebuild", default=0.0, show_default=True,
+              help="t(1) added to a round whose row count changes (for curves timed without the decodes after each width)")
 @click.option("--tokens", type=click.Path(dir_okay=False), help="cache of the greedy answers (JSON), reused if present")
 @click.option("--variants", default=",".join(VARIANTS), show_default=True, help=f"from {', '.join(VARIANTS)}")
 @click.option("-t", "--threads", default=1, show_default=True)
