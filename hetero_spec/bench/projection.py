@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 from ..calibration import CostCurve
 from ..errors import HeteroSpecError
-from ..spec.orchestrator import CATCHUP_ROWS
+from ..spec.policy import CATCHUP_ROWS
 from .results import ROUND_FIELDS, BenchResult, PromptRecord
 
 # Curves shipped in hetero_spec/bench/data/curves/ (see data/README.md).

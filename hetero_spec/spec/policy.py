@@ -106,7 +106,7 @@ class FixedPolicy:
     def wants_rows(self, within: int) -> bool:
         return self.shape.depth > 0  # its rounds draft (a subclass may still keep the prompt rows lazy)
 
-    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
+    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float, kept_row: bool = False) -> None:
         pass
 
 
@@ -408,7 +408,6 @@ class AutoPolicy:
         self._scale_used = 1.0  # drafted_scale at the last search
         self._t1_ms = curve.verify_time_ms(1)
         self._since_wide = 0  # plain rounds since the last decode wider than one row (a round's, or a prompt's)
-        self._keeping = False  # the last ``wants_rows`` answer: this round keeps its hidden state
         # The suffix structure (``spec/suffix.py``): trees of up to ``suffix_nodes`` nodes, statistics per
         # match bucket of the depth along the tree a round reached, and probes like lookup's.  max_depth 0
         # means there is no draft model: the copy sources alone, and never a draft probe.
@@ -577,8 +576,7 @@ class AutoPolicy:
         rows at most, older ones are holes anyway).  Other plain rounds decode without embeddings,
         as plain decoding does (measured on SmolLM2 Q4_0, 2 threads: rounds with embeddings on ran at
         0.975x of the raw loop)."""
-        self._keeping = self.expects_drafting() or (self.max_depth > 0 and self._draft_probe.rounds_to_due <= within)
-        return self._keeping
+        return self.expects_drafting() or (self.max_depth > 0 and self._draft_probe.rounds_to_due <= within)
 
     def choose(self, lookup: int = 0, match: int = 0, suffix: Sequence[int] = (), suffix_match: int = 0,
                suffix_boost: Sequence[float] = (), suffix_cached: bool = False) -> Shape:
@@ -679,8 +677,10 @@ class AutoPolicy:
         else:
             self._best_shape = None
 
-    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
-        """One round's wall time; ``rows_consumed``: real rows the draft caught up on in it.
+    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float, kept_row: bool = False) -> None:
+        """One round's wall time; ``rows_consumed``: real rows the draft caught up on in it; ``kept_row``: a
+        plain round that kept its hidden state for the draft (``wants_rows``), measured as the "kept" kind,
+        what a probe's rows cost (``_probe_cost_ms``).
 
         The ``SETTLE_ROUNDS`` plain rounds after a wider decode (a drafted round, or the prompt's) are not
         counted: they cost more than settled plain decoding (llama.cpp rebuilds its graph, and the host's
@@ -692,14 +692,14 @@ class AutoPolicy:
         decodes)."""
         settling = self._since_wide < SETTLE_ROUNDS
         self._since_wide = 0 if shape.depth else self._since_wide + 1
-        if shape.depth == 0 and self._keeping and not settling:  # a plain round that kept its hidden state
-            self.cost.observe("kept", 1e3 * seconds, self._t1_ms)  # (what a probe's rows cost, ``_probe_cost_ms``)
-            return
-        if shape.depth == 0 and (settling or self.cost.seen.get("plain")):  # every plain round, so kept
-            # short: the other kinds' ratios are kept relative to plain rounds', so a plain round changes no choice
-            if not settling:
-                self.cost.observe("plain", 1e3 * seconds, self._t1_ms)
-            return
+        if shape.depth == 0:  # every plain round, so kept short
+            if settling:
+                return
+            if kept_row or self.cost.seen.get("plain"):  # the other kinds' ratios are kept relative to plain
+                # rounds', so a plain round changes no choice
+                self.cost.observe("kept" if kept_row else "plain", 1e3 * seconds, self._t1_ms)
+                return
+            # the first settled plain round goes on: from now on the other kinds' ratios count, search again
         modelled = round_cost_ms(self.curve, shape)
         if shape.kind == "draft" and rows_consumed > 1:
             modelled += self.curve.draft_rows_time_ms(rows_consumed) - self.curve.draft_rows_time_ms(1)

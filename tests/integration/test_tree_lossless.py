@@ -9,9 +9,9 @@ import pytest
 from hetero_spec.calibration import CostCurve
 from hetero_spec.config import SpecConfig, TreeSpec
 from hetero_spec.errors import HeteroSpecError
-from hetero_spec.spec.orchestrator import CATCHUP_ROWS, generate_tokens
+from hetero_spec.spec.orchestrator import generate_tokens
 from hetero_spec.spec.lookup import NgramLookup
-from hetero_spec.spec.policy import AutoPolicy, FixedPolicy, Shape
+from hetero_spec.spec.policy import CATCHUP_ROWS, AutoPolicy, FixedPolicy, Shape
 from hetero_spec.spec.tree import Tree
 from tests.curves import cheap_rows_in
 from tests.conftest import bench_prompts
@@ -107,7 +107,7 @@ class LateDrafting(FixedPolicy):
         self.plain -= 1
         return Shape(0) if self.plain >= 0 else self.shape
 
-    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float) -> None:
+    def observe_time(self, shape: Shape, rows_consumed: int, seconds: float, kept_row: bool = False) -> None:
         self.timed.append((shape.depth, rows_consumed, seconds))
 
 

@@ -532,13 +532,13 @@ def test_probes_near_break_even_are_spaced_by_what_they_really_cost():
         small.observe_time(Shape(0), 0, 4.6e-3)
     for _ in range(20):  # rounds that keep rows for the probe: 0.25 ms each beyond a plain round
         assert small.wants_rows(CATCHUP_ROWS)
-        small.observe_time(Shape(0), 0, 4.85e-3)
+        small.observe_time(Shape(0), 0, 4.85e-3, kept_row=True)
     assert small.cost.scale("kept") == pytest.approx(4.85 / 4.6, rel=0.01)
     assert small._probe_restart() > 1.5 * before
     big = AutoPolicy(_steep_big_curve(), max_depth=8, prior_alphas=HELD_OUT)
     for _ in range(SETTLE_ROUNDS + 10):
         big.observe_time(Shape(0), 0, 81e-3)
     for _ in range(20):
-        big.wants_rows(CATCHUP_ROWS)
-        big.observe_time(Shape(0), 0, 81.25e-3)
+        assert big.wants_rows(CATCHUP_ROWS)
+        big.observe_time(Shape(0), 0, 81.25e-3, kept_row=True)
     assert big._probe_restart() == 16
