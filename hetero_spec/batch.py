@@ -19,8 +19,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .chat_template import render_chat
-from .config import DEFAULT_KV_TYPE, SamplingConfig
+from .config import DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, SamplingConfig
 from .engine import Drafting, Engine, Request
+from .engine.prompt_cache import PromptCache
 from .errors import HeteroSpecError
 from .target.invariance import exact_micro_batch
 from .target.llama_target import BATCH_INVARIANT_ROWS
@@ -52,9 +53,11 @@ class BatchGenerator:
 
     def __init__(self, model: str | Path, draft: str | Path | None = None, *, slots: int = 4, n_ctx: int = 4096,
                  threads: int = 0, kv_type: str = DEFAULT_KV_TYPE, drafts: bool = True, draft_device: str = "auto",
-                 draft_dtype: str = "auto") -> None:
+                 draft_dtype: str = "auto", cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB) -> None:
         """``draft``: a draft file for ``model`` (its chains verified beside the copies); ``drafts`` False: no
-        draft rows of any kind."""
+        draft rows of any kind; ``cache_ram_mib``: host memory for the cells of past prompts and answers, put back
+        for a later prompt that starts alike (the next turns of many conversations; ``engine/prompt_cache.py``;
+        0: off)."""
         from .engine.drafts import open_slots
 
         for path in (model, draft):
@@ -67,7 +70,8 @@ class BatchGenerator:
             device=draft_device, dtype=draft_dtype)
         try:  # the target is closed if anything below fails
             drafting = Drafting(lookup_depth=COPY_DEPTH if drafts else 0, draft_depth=DRAFT_DEPTH if draft else 0)
-            self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts)
+            self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts,
+                                 prompt_cache=PromptCache(cache_ram_mib << 20) if cache_ram_mib else None)
             if drafts:
                 self.engine.calibrate()
         except BaseException:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .config import DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, ConfigError, DenoiseConfig
+from .config import DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, ConfigError, DenoiseConfig
 from .errors import HeteroSpecError
 
 DEVICE_HELP = "where the draft runs: auto (CUDA when torch sees it), cpu, cuda or cuda:N"
@@ -207,9 +207,12 @@ def _parse_parallel(ctx, param, value) -> int:
               help="slots: requests decoded together in one llama_decode per step, --ctx cells each (> 1: the "
                    "batched engine: copy drafts, and a DRAFT's chains up to --draft-len deep, priced on the batch; "
                    "no trees); auto: 4 (llama-server's default), 1 with --tree")
+@click.option("--cache-ram", default=DEFAULT_CACHE_RAM_MIB, show_default=True, type=click.IntRange(0), metavar="MIB",
+              help="with slots: host memory for the cells of past prompts, put back when a later prompt starts alike "
+                   "(a conversation's next turn, a shared preamble; 0: off)")
 def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
           ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
-          model_alias, parallel) -> None:
+          model_alias, parallel, cache_ram) -> None:
     """Serve MODEL (and DRAFT) over an OpenAI-compatible HTTP API (needs the [server] extra)."""
     from .config import TreeSpec, parse_draft_len
     from .server import EngineConfig, ServerConfig
@@ -220,7 +223,7 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
                           kv_type=kv_type, draft_len=0 if no_draft else parse_draft_len(draft_len),
                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None,
                           draft_p_min=draft_p_min, lookup=lookup,
-                          parallel=serve_slots(parallel, tree))
+                          parallel=serve_slots(parallel, tree), cache_ram_mib=cache_ram)
     server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
                           api_key=api_key or None, max_queue=max_queue, queue_timeout=queue_timeout,
                           max_body_bytes=max_body)

@@ -173,6 +173,9 @@ DRAFT_DTYPES = ("auto", "int8", "int8-full", "int8-reduced", "float32", "bfloat1
 # keep verification bit-identical to plain decoding at any length (see TargetOptions.kv_type).
 KV_TYPES = ("q8_0", "f16", "q4_0", "bf16", "f32")
 DEFAULT_KV_TYPE = "q8_0"
+# host memory for the cells of past prompts in the batched engine (engine/prompt_cache.py): about 87,000 tokens of
+# SmolLM2's q8_0 cells, 15,000 of Llama 3 8B's (llama-server's --cache-ram defaults to 8 GiB)
+DEFAULT_CACHE_RAM_MIB = 1024
 
 
 @dataclass(frozen=True)

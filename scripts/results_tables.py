@@ -139,7 +139,7 @@ def bench_meta_line(rel: str) -> str:
 
 def t_headline() -> str:
     d, n, c = summary(WITH_DRAFT), summary(SUFFIX_STEEP), summary(CHAIN)
-    one, slots = load(SERVER_ONE)["overhead"], load(SERVER_SLOTS)
+    one, slots = load(SERVER_ONE)["overhead"], load(SERVER_SLOTS_STEEP)
     rows = [
         ("`run`/`bench` `auto`, shipped darter draft (draft + prompt lookup)", x(d[("auto", "all")]["speedup"]),
          set_range(d, "auto", SETS7), equal(d, "auto"), "a"),
@@ -163,7 +163,7 @@ def t_headline() -> str:
     lines = ["| what | speed against plain llama.cpp decoding, all sets | per set | outputs equal to plain | run |",
              "|---|---:|---:|---:|---|"]
     lines += [f"| {a} | {b} | {s} | {e} | {r} |" for a, b, s, e, r in rows]
-    srcs = [source(rel) for rel in (WITH_DRAFT, SUFFIX_STEEP, CHAIN, SERVER_ONE, SERVER_SLOTS)]
+    srcs = [source(rel) for rel in (WITH_DRAFT, SUFFIX_STEEP, CHAIN, SERVER_ONE, SERVER_SLOTS_STEEP)]
     cpus = {s.cpu for s in srcs}
     lines.append("")
     if len(cpus) == 1:
@@ -325,6 +325,16 @@ def t_server_slots(rel: str = SERVER_SLOTS) -> str:
             f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(rel))
 
 
+def t_server_interleaved(rel: str = SERVER_SLOTS_STEEP) -> str:
+    iv = load(rel)["interleaved"]
+    lines = ["| second turns | time to first token p50 / p95 | prefill p50 |", "|---|---|---:|"]
+    for label, name in (("cache", "prompt cache on (`--cache-ram` 1024, the default)"), ("no_cache", "`--cache-ram 0`")):
+        r = iv[label]
+        lines.append(f"| {name} | {r['ttft_s']['p50']:.3f} s / {r['ttft_s']['p95']:.3f} s | {r['prefill_s']['p50']:.3f} s |")
+    return ("\n".join(lines) + f"\n\n{iv['conversations']} mt_bench conversations through {iv['parallel']} slots (the "
+            f"shipped darter drafting), every turn 1 and then every turn 2; texts equal with and without the cache: "
+            f"{'yes' if iv['texts_equal'] else 'no'}.\n\n" + sources_footer(rel))
+
 
 def t_server_engine() -> str:
     lines = ["| slots, rows | generated tokens/s | rows per step | wall / inside `llama_decode` | draft-model rows accepted |",
@@ -452,7 +462,7 @@ def t_recorded(rel: str) -> str:
 
 
 TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
-    "headline": (t_headline, [WITH_DRAFT, SUFFIX_STEEP, CHAIN, SERVER_ONE, SERVER_SLOTS]),
+    "headline": (t_headline, [WITH_DRAFT, SUFFIX_STEEP, CHAIN, SERVER_ONE, SERVER_SLOTS_STEEP]),
     "speedup-7sets": (t_speedup_7sets, [WITH_DRAFT, NO_DRAFT]),
     "chain-k3": (t_chain_k3, [CHAIN]),
     "chain-k3-steep": (t_chain_k3_steep, [CURVE_STEEP, CHAIN_STEEP]),
@@ -462,6 +472,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "server-one-client": (t_server_one_client, [SERVER_ONE]),
     "server-slots": (t_server_slots, [SERVER_SLOTS]),
     "server-slots-steep": ((lambda: t_server_slots(SERVER_SLOTS_STEEP)), [SERVER_SLOTS_STEEP]),
+    "server-interleaved": (t_server_interleaved, [SERVER_SLOTS_STEEP]),
     "server-engine": (t_server_engine, [ENGINE]),
     "cross-thread": (t_cross_thread, [CROSS]),
     "drafts": (t_drafts, [f"../drafts/{n}" for n in DRAFTS]),

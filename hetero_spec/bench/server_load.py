@@ -30,12 +30,16 @@ changes it); part 2b the batched engine.
 3. turns      per mt_bench conversation: turn 1, then turn 2 (which reuses turn 1's cached prefix),
               another conversation in between, then the same turn 2 again (only the template's
               shared system prefix is reusable): time to first token, warm against cold.
+4. interleaved  twice as many mt_bench conversations as the batched part's slots: every turn 1, then
+              every turn 2, through ``serve --parallel N`` with its prompt cache in host memory and with
+              ``--cache-ram 0``: the second turns' time to first token and prefill, and equal texts.
 """
 from __future__ import annotations
 
 import collections
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -232,6 +236,34 @@ def turns(http, conversations, max_tokens) -> dict:
             "cold_prefill_s": pct([c["server"]["prefill_s"] for c in cold])}
 
 
+def interleaved(model: Path, engine: list[str], parallel: int, conversations, max_tokens: int) -> dict:
+    """Part 4: more conversations than slots through ``serve --parallel``, turn 1 of every one, then turn 2 of
+    every one, so that each second turn finds its slot taken by later conversations: with the prompt cache
+    (``--cache-ram``, its default) and without (``--cache-ram 0``).  Time to first token and prefill of the
+    second turns, and whether both servers gave the same texts (greedy: they must)."""
+    import httpx
+
+    from hetero_spec.config import DEFAULT_CACHE_RAM_MIB
+
+    out: dict = {"parallel": parallel, "conversations": len(conversations)}
+    texts = {}
+    for label, mib in (("cache", DEFAULT_CACHE_RAM_MIB), ("no_cache", 0)):
+        with Server([str(model), *engine, "--parallel", str(parallel), "--cache-ram", str(mib)]) as srv, \
+                httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
+            stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
+            firsts = [[{"role": "user", "content": first}] for first, _ in conversations]
+            answers = [stream_chat(http, turn, max_tokens)["text"] for turn in firsts]
+            seconds = [stream_chat(http, turn + [{"role": "assistant", "content": a}, {"role": "user", "content": s}],
+                                   max_tokens) for turn, a, (_, s) in zip(firsts, answers, conversations)]
+            restored = re.search(r"^hetero_spec_restored_prompt_tokens_total (\S+)$", http.get("/metrics").text, re.M)
+        texts[label] = answers + [r["text"] for r in seconds]
+        out[label] = {"ttft_s": pct([r["ttft_s"] for r in seconds]),
+                      "prefill_s": pct([r["server"]["prefill_s"] for r in seconds]),
+                      "restored_prompt_tokens": int(float(restored.group(1))) if restored else 0}
+    out["texts_equal"] = texts["cache"] == texts["no_cache"]
+    return out
+
+
 SPEC_OFF, SPEC_ON, SPEC_DRAFT = "off", "on", "draft"
 
 
@@ -312,7 +344,7 @@ def pct(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "p95": qs[18], "n": len(values)}
 
 
-PARTS = ("overhead", "load", "batched", "turns")
+PARTS = ("overhead", "load", "batched", "turns", "interleaved")
 
 
 def _parts(ctx: click.Context, param: click.Parameter, value: str) -> set[str]:
@@ -337,7 +369,7 @@ def _parts(ctx: click.Context, param: click.Parameter, value: str) -> set[str]:
 @click.option("--load-tokens", default=32, show_default=True, help="max_tokens of the load part's requests")
 @click.option("--conversations", default=6, show_default=True)
 @click.option("--parts", "wanted", default="overhead,load,turns", show_default=True, callback=_parts,
-              help="which parts to run, comma-separated: overhead, load, batched, turns")
+              help="which parts to run, comma-separated: overhead, load, batched, turns, interleaved")
 @click.option("--parallel", default=4, show_default=True, type=click.IntRange(2),
               help="slots of the batched part (ours and llama-server's)")
 @click.option("--passes", default=2, show_default=True, type=click.IntRange(1), help="passes of the batched part")
@@ -374,6 +406,10 @@ def server_load(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clie
         reference = result["load"]["texts"] if "load" in result else None
         result["batched"] = batched_load(model, threads, ctx, parallel, prompts, clients, per_client, load_tokens,
                                          passes, reference, draft)
+    if "interleaved" in wanted:  # twice as many conversations as slots (at least --conversations)
+        pairs = [(t[0], t[1]) for t in rows if len(t) > 1]
+        result["interleaved"] = interleaved(model, engine, parallel, pairs[:max(conversations, 2 * parallel)],
+                                            max_tokens)
     report(result)
     if out:
         out.write_text(json.dumps(result, indent=2))
@@ -427,13 +463,22 @@ def report(r: dict) -> None:
             if "aggregate_tps" not in c:
                 click.echo(f"  {c['server']:12s} spec {c['spec']:12s} failed every pass: {c['errors'][0]}")
                 continue
-            peer = base.get(c["spec"]) or base.get("ngram-simple")
+            # speculation on: against llama-server's best n-gram mode of this run
+            peer = base.get(c["spec"]) or max((v for k, v in base.items() if k.startswith("ngram")),
+                                              key=lambda v: v["aggregate_tps"], default=None)
             vs = f"; {c['aggregate_tps'] / peer['aggregate_tps']:.2f}x llama-server {peer['spec']}" \
                 if c["server"] == "hetero-spec" and peer else ""
             same = f"; greedy texts equal one-sequence: {c['texts_equal_one_sequence']}" \
                 if "texts_equal_one_sequence" in c else ""
             click.echo(f"  {c['server']:12s} spec {c['spec']:12s} {c['aggregate_tps']:6.1f} tok/s, TTFT p50 "
                        f"{c['ttft_p50_s']:.3f} s p95 {c['ttft_p95_s']:.3f} s{vs}{same}")
+    if "interleaved" in r:
+        iv = r["interleaved"]
+        click.echo(f"interleaved: {iv['conversations']} conversations through {iv['parallel']} slots, second turns: "
+                   + "; ".join(f"{label.replace('_', ' ')} TTFT p50 {iv[label]['ttft_s']['p50']:.3f} s p95 "
+                               f"{iv[label]['ttft_s']['p95']:.3f} s (prefill p50 {iv[label]['prefill_s']['p50']:.3f} s)"
+                               for label in ("cache", "no_cache"))
+                   + f"; texts equal: {iv['texts_equal']}")
     if "turns" in r:
         tu = r["turns"]
         click.echo(f"second turn over {tu['conversations']} conversations: TTFT warm p50 "

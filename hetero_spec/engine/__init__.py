@@ -5,6 +5,7 @@
     cost.py       what a step costs by its rows and how often drafts are accepted: speculation priced on the batch
     drafts.py     SlotDrafts: a draft model's weights once, a KV cache and context rows per slot
     step.py       Engine: one step = build the rows -> one llama_decode -> accept each slot's tokens
+    prompt_cache.py  free slots' cells kept in host memory, put back for a later prompt that starts alike
     answers.py    AnswerGenerator: answers with every row's hidden state (export-features --regenerate)
 
 The engine runs plain rows, prompt chunks and draft rows (greedy requests): copies from suffix

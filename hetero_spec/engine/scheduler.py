@@ -18,7 +18,7 @@ rest (up to ``max_rows``) in one of their own, so a long prompt never stalls the
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..target.sequences import Row
 from ..spec.suffix import SuffixCache
@@ -43,10 +43,12 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request that just took ``slot``, whose cells already hold its first ``reuse`` prompt tokens."""
+    """A request that just took ``slot``, whose cells already hold its first ``reuse`` prompt tokens of the
+    ``previous`` tokens they held (the rest are dropped when the engine feeds the prompt)."""
 
     slot: Slot
     reuse: int
+    previous: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,10 @@ class Scheduler:
             request = self.waiting.popleft()
             slot = max(free, key=lambda s: _affinity(s, request.prompt))
             reuse = 0 if request.keep_features else slot.reusable(request.prompt)  # reused cells have no features
+            previous = slot.cached
             slot.assign(request, cache, reuse)
             self._order.append(slot)
-            taken.append(Admitted(slot, reuse))
+            taken.append(Admitted(slot, reuse, previous))
         return taken
 
     def release(self, slot: Slot) -> Request:

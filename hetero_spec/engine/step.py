@@ -26,7 +26,8 @@ from ..spec.suffix import SuffixCache, SuffixConfig
 from ..target.sequences import Row, SequenceTarget
 from .cost import PROBE_ROWS, Acceptance, StepCost, expected_accepted, micro_batches
 from .drafts import SlotDrafts
-from .scheduler import Scheduler
+from .prompt_cache import PromptCache
+from .scheduler import Admitted, Scheduler
 from .slots import Request, Slot
 
 
@@ -62,6 +63,7 @@ class StepRecord:
     decode_s: float
     pad_rows: int = 0
     reused: int = 0  # prompt tokens found in a slot's cells by the requests admitted this step
+    restored: int = 0  # ... of which the prompt cache put back (engine/prompt_cache.py)
 
 
 MATCH_BUCKETS = (8, 16, 32)  # match lengths from which drafts are trusted, counted apart (the first: lookup_min_match)
@@ -89,10 +91,13 @@ class Engine:
     """
 
     def __init__(self, target: SequenceTarget, *, max_waiting: int = 16, drafting: Drafting = Drafting(),
-                 draft: SlotDrafts | None = None) -> None:
+                 draft: SlotDrafts | None = None, prompt_cache: PromptCache | None = None) -> None:
         """``draft``: a draft model for the slots (``drafting.draft_depth`` > 0), on a target opened with
-        features (``SequenceOptions(features=True, taps=<the draft's>)``)."""
+        features (``SequenceOptions(features=True, taps=<the draft's>)``).  ``prompt_cache``: free slots' cells
+        saved in host memory before a request takes the slot, restored for a later prompt that starts alike
+        (``prompt_cache.py``)."""
         self.target = target
+        self.prompt_cache = prompt_cache
         self.drafting = drafting
         self.draft = draft if drafting.draft_depth > 0 else None
         if self.draft is not None:
@@ -167,12 +172,14 @@ class Engine:
             if slot.request.cancelled:
                 _end(slot.request, "cancelled")
                 finished.append(self._release(slot))
-        reused = 0
+        reused = restored = 0
         for a in sch.admit(self.suffix_cache if self.drafting.lookup_depth > 0 else None):
-            self.target.keep(a.slot.seq, a.reuse)  # the cells of the prompt's start stay, the rest leave
-            reused += a.reuse
+            reuse = self._restore(a) if self.prompt_cache is not None else a.reuse
+            self.target.keep(a.slot.seq, reuse)  # the cells of the prompt's start stay, the rest leave
+            reused += reuse
+            restored += reuse - a.reuse
             if self.draft is not None:
-                self.draft.start(a.slot.seq, a.slot.request.prompt, a.reuse, active=a.slot.rng is None)
+                self.draft.start(a.slot.seq, a.slot.request.prompt, reuse, active=a.slot.rng is None)
         proposals = self._propose()
         probed: set[Slot] = set()
         if self.draft is not None:
@@ -231,8 +238,24 @@ class Engine:
             self.target.keep(slot.seq, slot.n_past)
         kinds = [kind for _, _, kind in plan.rows]
         record = StepRecord(len(plan.rows), kinds.count("prompt"), kinds.count("plain"), kinds.count("draft"),
-                            accepted, n_active, len(sch.waiting), decode_s, kinds.count("pad"), reused)
+                            accepted, n_active, len(sch.waiting), decode_s, kinds.count("pad"), reused, restored)
         return record, finished
+
+    def _restore(self, a: Admitted) -> int:
+        """Before ``a``'s prompt is fed: save the cells its slot is about to drop, and put back the saved cells
+        that hold a longer start of the prompt than the slot's own, if any; returns the prompt tokens whose cells
+        the slot now holds."""
+        cache, slot, request = self.prompt_cache, a.slot, a.slot.request
+        if len(a.previous) - a.reuse >= cache.min_tokens:  # a few dropped tokens (a turn's end) are not worth it
+            cache.save(a.previous, lambda: self.target.save_cells(slot.seq))
+        if request.keep_features:  # restored cells have no features
+            return a.reuse
+        n, entry = cache.best(request.prompt)
+        if entry is None or n <= a.reuse:
+            return a.reuse
+        self.target.restore_cells(slot.seq, entry.state)
+        slot.fed = n
+        return n
 
     def _release(self, slot: Slot) -> Request:
         """Free ``slot``; its cells keep the request's text for a later prompt that starts alike."""

@@ -8,7 +8,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import DEFAULT_KV_TYPE, ConfigError, DenoiseConfig, DraftLen, TreeSpec
+from ..config import DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, ConfigError, DenoiseConfig, DraftLen, TreeSpec
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -31,10 +31,13 @@ class EngineConfig:
     draft_p_min: float | None = None
     lookup: bool = True
     parallel: int = 1  # slots: > 1 decodes that many requests together in the batched engine
+    cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB  # with slots: free slots' cells kept in host memory (0: off)
 
     def __post_init__(self) -> None:
         if self.parallel < 1:
             raise ConfigError(f"--parallel must be >= 1, not {self.parallel}")
+        if self.cache_ram_mib < 0:
+            raise ConfigError(f"--cache-ram must be >= 0 MiB, not {self.cache_ram_mib}")
         if self.parallel > 1 and self.tree is not None:
             raise ConfigError("--tree drafts for one sequence at a time: the batched engine (--parallel > 1) verifies "
                               "chains; drop --tree, or serve with --parallel 1")

@@ -90,7 +90,9 @@ def slot_loader(engine: EngineConfig):
             n_seq=engine.parallel, seq_ctx=engine.n_ctx, n_threads=engine.threads, kv_type=engine.kv_type,
             max_rows=min(rows, BATCH_INVARIANT_ROWS)), device=engine.draft_device, dtype=engine.draft_dtype,
             denoise=engine.denoise)
-        return SlotModel(target, drafts)
+        from ..engine.prompt_cache import PromptCache
+
+        return SlotModel(target, drafts, PromptCache(engine.cache_ram_mib << 20) if engine.cache_ram_mib else None)
 
     return load
 

@@ -52,6 +52,10 @@ class Metrics:
         self.reused_prompt = Counter(f"{PREFIX}_reused_prompt_tokens", "prompt tokens a request found in its "
                                      "slot's cells (an earlier turn, a shared prefix) instead of decoding them",
                                      registry=r)
+        self.restored_prompt = Counter(f"{PREFIX}_restored_prompt_tokens", "of the reused prompt tokens, those "
+                                       "put back from the host-memory prompt cache (--cache-ram)", registry=r)
+        self.prompt_cache_bytes = Gauge(f"{PREFIX}_prompt_cache_bytes", "host memory held by saved prompt cells "
+                                        "(--cache-ram)", registry=r)
         self.decode_steps = Counter(f"{PREFIX}_decode_steps", "engine steps (one llama_decode each)", registry=r)
         self.queue_wait = Histogram(f"{PREFIX}_queue_wait_seconds", "time from arrival to the model taking a request",
                                     buckets=LATENCY_BUCKETS, registry=r)

@@ -22,6 +22,7 @@ from typing import Callable
 from ..chat_template import render_chat
 from ..engine import Drafting, Engine, Request, StepRecord
 from ..engine.drafts import SlotDrafts
+from ..engine.prompt_cache import PromptCache
 from ..errors import HeteroSpecError
 from ..records import Round, RunStats
 from ..target.sequences import SequenceTarget
@@ -43,6 +44,7 @@ class SlotModel:
 
     target: SequenceTarget
     drafts: SlotDrafts | None = None
+    prompt_cache: PromptCache | None = None  # free slots' cells in host memory (--cache-ram)
 
     def close(self) -> None:
         self.target.close()
@@ -82,7 +84,8 @@ class SlotWorker(ModelThread):
         if isinstance(model, SequenceTarget):  # a loader of the target alone: no draft model
             model = SlotModel(model)
         drafting = self.drafting if model.drafts is not None else replace(self.drafting, draft_depth=0)
-        self.engine = Engine(model.target, max_waiting=self.n_slots, drafting=drafting, draft=model.drafts)
+        self.engine = Engine(model.target, max_waiting=self.n_slots, drafting=drafting, draft=model.drafts,
+                             prompt_cache=model.prompt_cache)
         if drafting.lookup_depth > 0 or drafting.draft_depth > 0:  # prices a step's draft rows before the first request
             self.engine.calibrate()
         if self.engine.draft is not None:
@@ -237,6 +240,9 @@ class SlotWorker(ModelThread):
         m.rows.labels("pad").inc(record.pad_rows)
         m.accepted_rows.inc(record.accepted)
         m.reused_prompt.inc(record.reused)
+        m.restored_prompt.inc(record.restored)
+        if self.engine.prompt_cache is not None:
+            m.prompt_cache_bytes.set(self.engine.prompt_cache.bytes)
         m.decode_steps.inc()
 
     def _fail_all(self) -> None:
@@ -249,7 +255,8 @@ class SlotWorker(ModelThread):
         for slot in self.engine.scheduler.slots:
             target.clear(slot.seq)
         cost = self.engine.cost
-        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting)
+        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting,
+                             prompt_cache=self.engine.prompt_cache)
         self.engine.cost = cost
 
 

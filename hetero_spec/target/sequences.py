@@ -26,6 +26,7 @@ rows it removes afterwards (``engine/scheduler.py``).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,22 @@ class SequenceTarget(Vocabulary, Owners):
         """Drop sequence ``seq``'s cells at positions >= ``n_keep`` (rejected drafts, a shorter prefix)."""
         if not C.llama_memory_seq_rm(self._ctx.memory, seq, n_keep, -1):
             raise TargetError(f"llama_memory_seq_rm refused to drop positions >= {n_keep} of sequence {seq}")
+
+    def save_cells(self, seq: int) -> bytes:
+        """Sequence ``seq``'s cells serialized (``llama_state_seq_get_data``): what ``restore_cells`` puts back."""
+        size = C.llama_state_seq_get_size(self._ctx.ptr, seq)
+        buf = (ctypes.c_uint8 * size)()
+        written = C.llama_state_seq_get_data(self._ctx.ptr, buf, size, seq)
+        if written == 0:
+            raise TargetError(f"llama_state_seq_get_data wrote nothing for sequence {seq}")
+        return bytes(memoryview(buf)[:written])
+
+    def restore_cells(self, seq: int, state: bytes) -> None:
+        """Replace sequence ``seq``'s cells by ``state`` from ``save_cells`` (of any sequence of this context)."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if C.llama_state_seq_set_data(self._ctx.ptr, buf, len(state), seq) == 0:
+            self.clear(seq)
+            raise TargetError(f"llama_state_seq_set_data could not restore {len(state)} bytes into sequence {seq}")
 
     def pos_max(self, seq: int) -> int:
         """Largest position sequence ``seq`` holds in llama.cpp (-1 when empty): the truth to assert against."""

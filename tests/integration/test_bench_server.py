@@ -28,6 +28,22 @@ def test_bench_server_measures_the_server_against_run_under_load_and_across_turn
     assert "1 client over 2 interleaved runs" in proc.stdout
 
 
+def test_bench_server_interleaved_conversations_with_and_without_the_prompt_cache(model_path, tmp_path):
+    """Twice as many conversations as slots: with the prompt cache the second turns get their cells back from
+    host memory, without it none do, and the texts are the same either way."""
+    out = tmp_path / "server.json"
+    proc = subprocess.run(
+        [*CLI, "bench", "server", str(model_path), "-t", "1", "--ctx", "1024", "--parts", "interleaved",
+         "--parallel", "2", "--max-tokens", "8", "--conversations", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    iv = json.loads(out.read_text())["interleaved"]
+    assert iv["parallel"] == 2 and iv["conversations"] == 4 and iv["texts_equal"] is True
+    assert iv["cache"]["restored_prompt_tokens"] > 0 and iv["no_cache"]["restored_prompt_tokens"] == 0
+    assert iv["cache"]["ttft_s"]["n"] == iv["no_cache"]["ttft_s"]["n"] == 4
+    assert "4 conversations through 2 slots" in proc.stdout
+
+
 def test_bench_server_refuses_unknown_parts_in_one_line(model_path):
     proc = subprocess.run([*CLI, "bench", "server", str(model_path), "--parts", "overhead,speed"],
                           capture_output=True, text=True, timeout=60)

@@ -16,6 +16,7 @@ import pytest
 
 from hetero_spec.config import SamplingConfig
 from hetero_spec.engine import Drafting, Engine, QueueFull, Request, StepCost
+from hetero_spec.engine.prompt_cache import PromptCache
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
 
@@ -209,6 +210,42 @@ def test_second_turn_reuses_its_slot_cells_exactly(model_path, single, prompts):
         assert_cells_hold_only_text(engine)
     out, logits = decode_alone(single, follow_up, 12)
     assert second.out == out and all(np.array_equal(a, b) for a, b in zip(second.logits, logits))
+
+
+def test_a_turn_whose_slot_was_taken_gets_its_cells_back_from_the_prompt_cache(model_path, single, prompts):
+    """Turn 1 is served, then two other requests take both slots (turn 1's cells are saved to host memory as
+    the second one takes its slot); turn 2 then finds no slot holding turn 1, gets its cells put back from the
+    prompt cache, and answers as if decoded alone, logits bit for bit.  Without the cache it starts cold."""
+    follow = single.tokenize(" Then the keeper", add_special=False)
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    reused, restored = {}, {}
+    for cache_on in (True, False):
+        with SequenceTarget(model_path, opts) as target:
+            cache = PromptCache(64 << 20) if cache_on else None
+            engine = Engine(target, max_waiting=4, prompt_cache=cache)
+            first = Request(prompts[2], 10)
+            engine.submit(first)
+            for _ in engine.run():
+                pass
+            for i in (0, 4):  # the empty slot first, then turn 1's
+                engine.submit(Request(prompts[i], 4))
+            for _ in engine.run():
+                pass
+            assert not any(s.cached[:len(first.prompt)] == first.prompt for s in engine.scheduler.slots)
+            held = len(first.prompt) + len(first.out) - 1  # the cells turn 1 left: its newest token was never decoded
+            if cache_on:
+                assert len(cache) == 1 and cache.best(first.prompt + first.out + follow)[0] == held
+            second = Request(first.prompt + first.out + follow, 12, keep_logits=True)
+            engine.submit(second)
+            records = [rec for rec, _ in engine.run() if rec]
+            reused[cache_on] = sum(rec.reused for rec in records)
+            restored[cache_on] = sum(rec.restored for rec in records)
+            assert_cells_hold_only_text(engine)
+        out, logits = decode_alone(single, second.prompt, 12)
+        assert second.out == out and all(np.array_equal(a, b) for a, b in zip(second.logits, logits))
+    # the slot turn 2 took shared a few first tokens with it (the template's start): those were there already
+    assert reused[True] == held and reused[False] < 16
+    assert restored == {True: held - reused[False], False: 0}
 
 
 @contextmanager

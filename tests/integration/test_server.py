@@ -655,6 +655,31 @@ def test_parallel_health_lists_slots_and_metrics_show_steps(slot_http):
     assert metric(slot_http, 'hetero_spec_rows_total{kind="draft"}') == 0  # --no-draft: no lookup rows either
 
 
+def test_parallel_turn_two_gets_its_cells_back_after_every_slot_moved_on(client, model_id, slot_server, slot_http):
+    """Turn 1 of a conversation, then as many other requests at once as there are slots (one of them takes turn
+    1's slot, whose cells go to the host-memory prompt cache): turn 2 finds its start there, and its answer
+    equals the one-sequence server's."""
+    slots = openai.OpenAI(base_url=slot_server.url + "/v1", api_key=KEY, max_retries=0, timeout=CALL_S)
+    turn1 = [{"role": "user", "content": "Describe a lighthouse at night in three sentences."}]
+    a1 = slots.chat.completions.create(model=model_id, messages=turn1, max_tokens=24, temperature=0)
+    start = threading.Barrier(SLOTS)
+
+    def other(prompt: str) -> str:
+        start.wait(CALL_S)
+        return _ask(slots, model_id, "chat", prompt, 32, stream=False)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+        list(pool.map(other, PROMPTS[:SLOTS]))
+    assert metric(slot_http, "hetero_spec_prompt_cache_bytes") > 0
+    restored = metric(slot_http, "hetero_spec_restored_prompt_tokens_total")
+    turn2 = turn1 + [{"role": "assistant", "content": a1.choices[0].message.content},
+                     {"role": "user", "content": "Now in one sentence."}]
+    warm = slots.chat.completions.create(model=model_id, messages=turn2, max_tokens=16, temperature=0)
+    assert metric(slot_http, "hetero_spec_restored_prompt_tokens_total") - restored >= a1.usage.prompt_tokens // 2
+    alone = client.chat.completions.create(model=model_id, messages=turn2, max_tokens=16, temperature=0)
+    assert warm.choices[0].message.content == alone.choices[0].message.content
+
+
 def test_parallel_client_killed_mid_stream_frees_its_slot(slot_server, slot_http):
     client = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, slot_server.url, KEY, LONG_PROMPT,
                                str(LONG_TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
