@@ -21,6 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
+from ..calibration import SETTLE_ROUNDS
 from ..spec.sampling import process_support, sample_support
 from ..spec.suffix import SuffixCache, SuffixConfig
 from ..target.sequences import Row, SequenceTarget
@@ -118,6 +119,7 @@ class Engine:
         self._since_draft = PROBE_EVERY  # the first chance to draft probes
         self._after_probe = False
         self.guess = Acceptance(prior=0.1)
+        self._last_rows = 0  # rows of the last step's decode
         self.suffix_cache = SuffixCache(SuffixConfig(max_depth=max(1, drafting.lookup_depth),
                                                      cache_tokens=drafting.cache_tokens))
 
@@ -134,11 +136,17 @@ class Engine:
     def idle(self) -> bool:
         return not self.scheduler.active and not self.scheduler.waiting
 
-    def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3, context: int = 256) -> StepCost:
+    def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5, context: int = 256) -> StepCost:
         """Measure one micro-batch at several fills on this machine, before any request: the prices ``_choose``
-        starts from (single-micro-batch steps keep them current).  Laid out as steps are (the rows spread
+        starts from (steps that keep a shape keep them current).  Laid out as steps are (the rows spread
         evenly over consecutive sequences, each holding ``context`` cells already, as a request in flight
-        does); every sequence is left empty."""
+        does); every sequence is left empty.
+
+        As ``calibration.py`` times a round: one row from a stream of one-row decodes that has settled, and
+        a wider micro-batch with the ``SETTLE_ROUNDS`` one-row decodes after it, less as many settled ones,
+        since on some hosts the decodes after a wider one stay slow for several steps (measured on the
+        2-core Xeon VM: a one-row step priced right after the context's 32-row decodes at 8.6 ms against
+        5.0 settled, so a single slot drafted the darter's chains every step at 0.87-0.90 times ``run``)."""
         if not self.idle:
             raise RuntimeError("calibrate an engine before it serves")
         t = self.target
@@ -147,16 +155,31 @@ class Engine:
         for seq in range(n_seq):
             for start in range(0, context, ub):
                 t.decode([Row(seq, 0, p, False) for p in range(start, min(context, start + ub))])
-        for n in (n for n in rows if n <= min(ub, t.options.batch_rows)):
+
+        def plain_rows(count: int) -> None:  # one-row decodes in sequence 0, each rolled back
+            for _ in range(count):
+                t.decode([Row(0, 0, context, True)])
+                t.keep(0, context)
+
+        settled = []
+        for _ in range(repeats):
+            plain_rows(SETTLE_ROUNDS)
+            t0 = time.perf_counter()
+            plain_rows(SETTLE_ROUNDS)
+            settled.append(1e3 * (time.perf_counter() - t0) / SETTLE_ROUNDS)
+        self.cost.set_median(1, settled)
+        t1 = self.cost.at(1)
+        for n in (n for n in rows if 1 < n <= min(ub, t.options.batch_rows)):
             seqs = next(k for k in range(min(n, n_seq), 0, -1) if n % k == 0)  # n = seqs x rows each
             batch = [Row(seq, 0, context + i, True) for seq in range(seqs) for i in range(n // seqs)]
             samples = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 t.decode(batch)
-                samples.append(1e3 * (time.perf_counter() - t0))
                 for seq in range(seqs):
                     t.keep(seq, context)
+                plain_rows(SETTLE_ROUNDS)
+                samples.append(1e3 * (time.perf_counter() - t0) - SETTLE_ROUNDS * t1)
             self.cost.set_median(n, samples)
         for slot in self.scheduler.slots:
             t.clear(slot.seq)
@@ -202,8 +225,11 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.target.decode([r for _, r, _ in plan.rows])
         decode_s = time.perf_counter() - t0
-        if len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:  # the price of one micro-batch of rows
+        # the price of one micro-batch of rows, from steps that keep the shape of the step before: a step after
+        # a different one carries its after-effect (``calibrate``), which the calibrated prices already hold
+        if len(plan.rows) == self._last_rows and len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:
             self.cost.observe(len(plan.rows), 1e3 * decode_s)
+        self._last_rows = len(plan.rows)
         feats = None  # [rows of the decode, feature_size], read once a slot keeps rows
         accepted = 0
         trim = {slot for slot, _, kind in plan.rows if kind in ("pad", "draft")}

@@ -78,3 +78,43 @@ def test_chunk_rows_bound_by_the_micro_batch_and_the_prompt():
     (a,) = sch.admit()
     rows = sch.plan({}).rows
     assert [(r.pos, r.output) for _, r, _ in rows] == [(p, p == 4) for p in range(5)]
+
+
+class ClockSequences:
+    """A stand-in multi-sequence target whose decodes advance a fake clock: n rows cost n ms, and the one-row
+    decodes right after a wider one 2, 1 and 0.5 ms more (as on the 2-core Xeon VM, where a one-row step right
+    after the calibration's 32-row decodes was priced at 8.6 ms against 5.0 settled)."""
+
+    AFTER_WIDE_MS = (2.0, 1.0, 0.5)
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.options = SimpleNamespace(n_seq=4, max_rows=32, batch_rows=64)
+        self.seq_ctx, self.now, self.since_wide = 1024, 0.0, 99
+
+    def decode(self, rows) -> None:
+        n = len(rows)
+        extra = self.AFTER_WIDE_MS[self.since_wide] if n == 1 and self.since_wide < len(self.AFTER_WIDE_MS) else 0.0
+        self.now += 1e-3 * (n + extra)
+        self.since_wide = 0 if n > 1 else self.since_wide + 1
+
+    def keep(self, seq: int, n_keep: int) -> None:
+        pass
+
+    def clear(self, seq: int) -> None:
+        pass
+
+
+def test_engine_prices_one_row_settled_and_a_width_with_the_decodes_it_slows(monkeypatch):
+    """The engine's start-up prices: one row from a settled stream of one-row decodes (not right after the
+    context's 32-row decodes), and a wider step with what it adds to the one-row decodes after it."""
+    from types import SimpleNamespace
+
+    from hetero_spec.engine import step as engine_step
+    from hetero_spec.engine.step import Engine
+
+    target = ClockSequences()
+    monkeypatch.setattr(engine_step, "time", SimpleNamespace(perf_counter=lambda: target.now))
+    cost = Engine(target, max_waiting=4).calibrate(rows=(1, 2, 4, 8))
+    assert cost.ms == pytest.approx({1: 1.0, 2: 5.5, 4: 7.5, 8: 11.5})
