@@ -20,6 +20,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from ..target.llama_target import common_prefix
+
 MIN_TOKENS = 16  # shorter starts are not worth an entry (a BOS and a template's first tokens)
 
 
@@ -33,21 +35,6 @@ class SavedCells:
     @property
     def size(self) -> int:
         return len(self.state)
-
-
-def shared_start(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many first tokens ``a`` and ``b`` have in common (by bisection on slices: C-speed comparisons)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class PromptCache:
@@ -98,7 +85,7 @@ class PromptCache:
         head = tuple(prompt[:-1])
         n, found = 0, None
         for key, entry in self._entries.items():
-            m = shared_start(key, head)
+            m = common_prefix(key, head)
             if m > n:
                 n, found = m, entry
         if found is None or n < self.min_tokens:

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..config import SamplingConfig
+from ..target.llama_target import common_prefix
 from ..spec.suffix import SuffixCache, SuffixRequest, prompt_key
 
 
@@ -77,12 +78,7 @@ class Slot:
     def reusable(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s first tokens this free slot's cells already hold (at most all but the
         last: the last prompt row must be decoded again for its logits)."""
-        n = 0
-        for a, b in zip(self.cached, prompt[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.cached, prompt[:-1])
 
     def assign(self, request: Request, cache: SuffixCache | None = None, reuse: int = 0) -> None:
         """Take ``request``, whose first ``reuse`` prompt tokens are in the cells already; ``cache``: draft by

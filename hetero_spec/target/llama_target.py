@@ -13,6 +13,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -228,7 +229,7 @@ class LlamaTarget(Vocabulary, Owners):
             raise ContextFull(f"prompt of {len(tokens)} tokens exceeds the context of {self.n_ctx}")
         if self.trash_cells:  # parked tree cells sit between cached ones: reuse would reorder slots
             self.reset()
-        keep = max(0, min(_common_prefix(self.tokens, tokens), len(tokens)) - 1)
+        keep = max(0, min(common_prefix(self.tokens, tokens), len(tokens)) - 1)
         if max_reuse is not None:
             keep = min(keep, max_reuse)
         self.rollback(keep)
@@ -435,9 +436,19 @@ class LlamaTarget(Vocabulary, Owners):
         return read_taps(self._taps, self._ctx.ptr, self.options.taps, n, self.n_embd)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens ``a`` and ``b`` (lists, tuples or arrays of ids, in any mix) have in common, by
+    bisection on tuple slices: the comparisons run in C, where a token-by-token loop ran in Python (the prompt
+    cache compares a prompt with every saved entry)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    a, b = tuple(a[:n]), tuple(b[:n])
+    if a == b:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetero_spec.engine.prompt_cache import PromptCache, shared_start
+from hetero_spec.engine.prompt_cache import PromptCache
+from hetero_spec.target.llama_target import common_prefix
 
 
 def cells(n_bytes: int):
@@ -21,8 +22,9 @@ def cells(n_bytes: int):
 
 @pytest.mark.parametrize("a,b,n", [((1, 2, 3), (1, 2, 3), 3), ((1, 2, 3), (1, 2), 2), ((1, 2, 3), (1, 9, 3), 1),
                                    ((), (1,), 0), (tuple(range(100)), tuple(range(57)) + (0,), 57)])
-def test_shared_start(a, b, n):
-    assert shared_start(a, b) == n == shared_start(b, a)
+def test_common_prefix(a, b, n):
+    assert common_prefix(a, b) == n == common_prefix(b, a)
+    assert common_prefix(list(a), b) == n  # lists too, and mixed (a slot's cells, LlamaTarget's tokens)
 
 
 def test_short_texts_and_covered_texts_are_not_saved_nor_read():
