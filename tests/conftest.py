@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from hetero_spec.bench.prompts import bench_prompts  # noqa: F401  (the shipped sets, package data)
 from hetero_spec.default_model import shipped_model_path
 from hetero_spec.target.gguf_weights import cache_dir
 

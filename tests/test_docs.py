@@ -71,6 +71,14 @@ def test_no_internal_run_numbers(doc: Path):
     assert not hits, f"{doc.name} mentions internal run numbers: {hits[:5]}"
 
 
+def test_no_internal_run_numbers_in_code():
+    """Comments and docstrings cite the measurement, not which internal run made it."""
+    files = [p for top in ("hetero_spec", "scripts", "tests", "converters") for p in (ROOT / top).rglob("*")
+             if p.is_file() and p.suffix in (".py", ".sh", ".md") and p.name != "test_docs.py"]
+    hits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in files for m in RUN_NUMBERS.finditer(p.read_text())]
+    assert not hits, f"internal run numbers in code: {hits[:5]}"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=IDS)
 def test_no_paths_outside_the_repository(doc: Path):
     text = doc.read_text()

@@ -148,7 +148,7 @@ class BenchConfig:
     calibrate: bool = False
     # passes over every prompt, each in the mirror order of the last (A B, then B A); each record keeps
     # its method's fastest run.  The shared VM slows runs by up to 2x at random for seconds at a time
-    # (stop 30: auto's plain rounds took 0.55-2.2x raw's time per token on the same prompt), which no
+    # (seen: auto's plain rounds took 0.55-2.2x raw's time per token on the same prompt), which no
     # order cancels; a slow spell only adds time, so the fastest run is the least disturbed one, and
     # whole passes put a prompt's runs minutes apart, out of one spell.
     repeats: int = 1

@@ -295,14 +295,14 @@ BREAK_EVEN_BAND = 0.95  # drafting estimated at least this fraction of plain spe
 # at what a probe costs (``AutoPolicy._probe_cost_ms``: its draft forwards, its catch-up and the rounds that
 # keep rows for it).  On the scale-10 target (a step 0.03 t(1)) the gap then stays at 16-28 rounds:
 # backing off to 128 only froze the statistics there, and after a bad streak on mt_bench auto drafted
-# no round in the next 60 prompts (one probe a prompt; stop 25, docs/bench.md).  On SmolLM2 Q4_0 (a step
+# no round in the next 60 prompts (one probe a prompt, docs/bench.md).  On SmolLM2 Q4_0 (a step
 # 0.3 t(1)) the gap still grows to 128.
 PROBE_BUDGET = 0.005
 # Near break-even, where the estimate decides and a bad streak would freeze it, draft probes may take this
 # share of the plain rounds' time; elsewhere ``PROBE_BUDGET``.  Both price a probe at what it really costs
 # (``_probe_cost_ms``): on the scale-10 target that leaves the first gap (16 rounds); on SmolLM2 Q4_0 on
 # a host where 2 rows cost 2.4 decodes, a probe cost 2 decodes in all, and probes every 16 rounds put auto
-# 3-6 points behind lookup alone (stop 51).
+# 3-6 points behind lookup alone.
 NEAR_BREAK_EVEN_PROBE_BUDGET = 0.02
 # Most rows a draft catches up on before it drafts; older pending rows become holes.  After a
 # plain stretch auto probes with one drafted round, and catching up on all 128 rows since
@@ -314,7 +314,7 @@ CATCHUP_ROWS = 16
 # proposed token was right 59% of the time after a match of 2-3 tokens, 77% after 4-7 and 94% after
 # 8 or more (the mean run of right tokens 2.8, 4.5 and 9.1).  Pooled, the estimate sat near the
 # short matches' rate; and with only first tokens checked on plain rounds, depth 2 and beyond kept
-# their 0.5 prior.  Replayed on the scale-10 curve (scripts/replay_lookup.py, stop 28), auto then ran
+# their 0.5 prior.  Replayed on the scale-10 curve (scripts/replay_lookup.py), auto then ran
 # 1 lookup round in 90 prompts; kept apart, with whole proposals checked (``observe_lookup_chain``),
 # 818, at 1.085x plain speed on average over the prompts (1.00x before).
 LOOKUP_MATCH_BUCKETS = (0, 4, 8)

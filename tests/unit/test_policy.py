@@ -419,7 +419,7 @@ def test_an_optimistic_prior_gives_way_to_measured_acceptance_where_drafting_doe
 
 
 def _steep_big_curve() -> CostCurve:
-    """The scale-10 target calibrated on a 2-core AVX-512 EPYC whose 4 rows cost 2.07 t(1) (stop 25)."""
+    """The scale-10 target calibrated on a 2-core AVX-512 EPYC whose 4 rows cost 2.07 t(1)."""
     ratios = {1: 1.0, 2: 1.34, 3: 2.0, 4: 2.07, 5: 2.65, 6: 2.75, 7: 3.48, 8: 3.64}
     return CostCurve({n: 81.0 * ratios.get(n, 0.45 * n) for n in range(1, 33)}, 2.29,
                      {n: 1.5 + 0.3 * n for n in range(1, 33)})
