@@ -20,6 +20,7 @@ nothing when nothing pays.
 from __future__ import annotations
 
 import bisect
+import functools
 import statistics
 from dataclasses import dataclass, field
 
@@ -40,13 +41,18 @@ class StepCost:
     def set_median(self, rows: int, samples: list[float]) -> None:
         self.ms[rows] = statistics.median(samples)
 
+    def step_ms(self, counts: tuple[tuple[int, int], ...], n_ubatch: int) -> float:
+        """The price of a decode laid out as ``counts``: the sum of its micro-batches' (``micro_batches``)."""
+        return sum(self.at(n) for n in _micro_batches(counts, n_ubatch))
+
     @property
     def known(self) -> bool:
         return len(self.ms) >= 2
 
     def at(self, rows: int) -> float:
-        if rows in self.ms:
-            return self.ms[rows]
+        ms = self.ms.get(rows)
+        if ms is not None:
+            return ms
         xs = sorted(self.ms)
         if not xs:
             raise ValueError("no step has been measured")
@@ -92,6 +98,12 @@ def micro_batches(counts: list[tuple[int, int]], n_ubatch: int) -> list[int]:
     ((sequence, rows) in batch order, sequences sorted, one KV stream each): take the run of consecutive
     sequence ids that still have rows, starting at the first, and from each the same number of rows,
     as many as the shortest has left and ``n_ubatch`` allows; repeat."""
+    return list(_micro_batches(tuple(counts), n_ubatch))
+
+
+@functools.lru_cache(maxsize=4096)
+def _micro_batches(counts: tuple[tuple[int, int], ...], n_ubatch: int) -> tuple[int, ...]:
+    """``micro_batches``, kept per layout: a step prices a dozen layouts, and the same few recur every step."""
     left = [[seq, n] for seq, n in counts if n > 0]
     sizes = []
     while left:
@@ -105,4 +117,4 @@ def micro_batches(counts: list[tuple[int, int]], n_ubatch: int) -> list[int]:
             entry[1] -= take
         sizes.append(take * len(run))
         left = [e for e in left if e[1] > 0]
-    return sizes
+    return tuple(sizes)

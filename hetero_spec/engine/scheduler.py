@@ -127,16 +127,13 @@ class Scheduler:
     def counts(self, ks: dict[Slot, int]) -> list[tuple[int, int]]:
         """(sequence, rows) of the step ``plan(ks)`` lays out, in batch order: what the engine prices (the same
         arithmetic as ``_layout``, without building rows)."""
-        gen = self.generating
-        width = 1 + min((ks.get(slot, 0) for slot in gen), default=0) if gen else 0
-        n = {slot.seq: 1 + ks.get(slot, 0) for slot in gen}
+        return list(self.shape().counts(ks))
+
+    def shape(self) -> "StepShape":
+        """This step's layout less its drafts, for pricing many draft layouts of one step."""
         chunk = self.chunk_slot()
-        if chunk is not None:
-            n[chunk.seq] = self.chunk_rows(width)
-        if n and width:
-            for seq in range(min(n), max(n) + 1):
-                n[seq] = max(n.get(seq, 0), width)
-        return sorted(n.items())
+        return StepShape(tuple(self.generating), chunk.seq if chunk is not None else None,
+                         len(chunk.request.prompt) - chunk.fed if chunk is not None else 0, self.max_rows)
 
     def plan(self, ks: dict[Slot, int]) -> Plan:
         """The step's rows with ``ks[slot]`` drafts for each generating slot (``slot.drafts`` holds them)."""
@@ -171,3 +168,27 @@ class Scheduler:
             n_pad = min(width - len(rows), self.seq_ctx - pos)  # none past the end (a rare extra micro-batch)
             rows += [(slot, Row(seq, PAD_TOKEN, pos + i, False), "pad") for i in range(max(0, n_pad))]
         return dict(sorted(by_seq.items()))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's layout holds whatever its drafts: the generating slots and the prompt chunk's slot and
+    rows left.  ``Engine._choose`` prices a dozen draft layouts a step; taking these once keeps that to a few
+    microseconds each."""
+
+    generating: tuple[Slot, ...]
+    chunk_seq: int | None
+    chunk_left: int
+    max_rows: int
+
+    def counts(self, ks: dict[Slot, int]) -> tuple[tuple[int, int], ...]:
+        """``Scheduler.counts`` for this step (the rules of ``Scheduler._layout``)."""
+        gen = self.generating
+        width = 1 + min((ks.get(slot, 0) for slot in gen), default=0) if gen else 0
+        n = {slot.seq: 1 + ks.get(slot, 0) for slot in gen}
+        if self.chunk_seq is not None:
+            n[self.chunk_seq] = min(self.chunk_left, self.max_rows + width)
+        if n and width:
+            for seq in range(min(n), max(n) + 1):
+                n[seq] = max(n.get(seq, 0), width)
+        return tuple(sorted(n.items()))

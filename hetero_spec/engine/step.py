@@ -364,9 +364,9 @@ class Engine:
         rate, n_gen = self.trusted[NEURAL].rate, len(self.scheduler.generating)
         read = self.draft.read_ms if self.draft.read_ms is not None else self.draft.step_ms  # a step's kept rows
         best_k, best_value = 0, -1.0
+        shape, ub = self.scheduler.shape(), self.target.options.max_rows
         for k in range(depth + 1):
-            ks = {s: k for s in slots}
-            ms = sum(self.cost.at(n) for n in micro_batches(self.scheduler.counts(ks), self.target.options.max_rows))
+            ms = self.cost.step_ms(shape.counts({s: k for s in slots}), ub)
             draft_ms = read + k * self.draft.step_ms if k else 0.0
             value = (n_gen + len(slots) * expected_accepted([rate] * k)) / (ms + draft_ms)
             if value > best_value:
@@ -395,16 +395,28 @@ class Engine:
             return {}
         if not self.cost.known:  # no probe ran (``calibrate``): steps price the rows once two fills are seen
             return {}
-        n_gen = len(self.scheduler.generating)
+        shape, ub = self.scheduler.shape(), self.target.options.max_rows
+        # expected accepted drafts of each slot's first k proposals, for every k (trusted, then guesses)
+        gains = {}
+        for slot, p in proposals.items():
+            trusted, guess = self.trusted[p.bucket].rate, self.guess.rate
+            run, reach = [0.0], 1.0
+            for i in range(len(p.tokens)):
+                reach *= trusted if i < p.sure else guess
+                run.append(run[-1] + reach)
+            gains[slot] = run
         candidates = [{}, dict(sure)]
         candidates += [{slot: min(k, p.room) for slot, p in proposals.items()} for k in range(1, deepest + 1)]
         candidates += [{s: k for s, k in sure.items() if s is not drop} for drop in sure] if len(sure) > 1 else []
-        best, best_value = {}, -1.0
-        for ks in filter(fits, candidates):
-            gain = sum(expected_accepted([self.trusted[proposals[s].bucket].rate if i < proposals[s].sure
-                                          else self.guess.rate for i in range(k)]) for s, k in ks.items())
-            ms = sum(self.cost.at(n) for n in micro_batches(self.scheduler.counts(ks), self.target.options.max_rows))
-            value = (n_gen + gain) / ms
+        n_gen = len(shape.generating)
+        best, best_value, seen = {}, -1.0, set()
+        for ks in candidates:
+            counts = shape.counts(ks)
+            if counts in seen or sum(n for _, n in counts) > cap:
+                continue
+            seen.add(counts)
+            gain = sum(gains[s][k] for s, k in ks.items())
+            value = (n_gen + gain) / self.cost.step_ms(counts, ub)
             if value > best_value:
                 best, best_value = ks, value
         return best
