@@ -330,14 +330,41 @@ class SuffixRequest:
                 conts.append(c)
         if not conts:
             return None
-        prop = _best_nodes(conts, match, cfg.max_nodes if tree else depth, cfg.min_prob, chain_only=not tree)
+        prop = (_best_nodes(conts, match, cfg.max_nodes, cfg.min_prob) if tree
+                else _best_chain(conts, match, depth, cfg.min_prob))
         if prop is not None:
             prop.cached = all(idx is not self.own for _, _, idx in found)
         return prop
 
 
-def _best_nodes(conts: list[list[int]], match: int, max_nodes: int, min_prob: float,
-                chain_only: bool) -> SuffixProposal | None:
+def _best_chain(conts: list[list[int]], match: int, max_nodes: int, min_prob: float) -> SuffixProposal | None:
+    """The most probable path of ``_best_nodes``'s trie, without building it: at each depth the most frequent next
+    token among the continuations still on the path (the first seen among equals, as the trie's insertion
+    order gives).  The batched engine asks every generating slot for a chain every step, mostly of one
+    continuation."""
+    alive, chain, probs, p = conts, [], [], 1.0
+    while True:
+        d, counts = len(chain), {}
+        for c in alive:
+            if len(c) > d:
+                counts[c[d]] = counts.get(c[d], 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=counts.__getitem__)
+        p *= counts[token] / len(alive)  # the path's count over its parent's (continuations ending there included)
+        if p < min_prob:
+            break
+        chain.append(token)
+        probs.append(p)
+        alive = [c for c in alive if len(c) > d and c[d] == token]
+    n = min(len(chain), max_nodes)
+    if n == 0:
+        return None
+    return SuffixProposal(tokens=[-1] + chain[:n], parents=[-1] + list(range(n)), depths=list(range(n + 1)),
+                          probs=[1.0] + probs[:n], match=match, chain=chain, chain_probs=probs)
+
+
+def _best_nodes(conts: list[list[int]], match: int, max_nodes: int, min_prob: float) -> SuffixProposal | None:
     """The trie of the continuations, its ``max_nodes`` most probable nodes (best first, so parents first)."""
     children: list[dict[int, int]] = [{}]
     count, tok, parent, depth = [len(conts)], [-1], [-1], [0]
@@ -364,21 +391,18 @@ def _best_nodes(conts: list[list[int]], match: int, max_nodes: int, min_prob: fl
         if prob[node] < min_prob:
             break
         chain.append(node)
-    if chain_only:
-        picked = chain[:max_nodes]
-    else:
-        # best first; among equals the shallower node (it costs the same row and leads to more)
-        picked, heap = [], [(-prob[c], 1, c) for c in children[0].values()]
-        heapq.heapify(heap)
-        while heap and len(picked) < max_nodes:
-            p, d, node = heapq.heappop(heap)
-            if -p < min_prob:
-                break
-            picked.append(node)
-            for c in children[node].values():
-                heapq.heappush(heap, (-prob[c], d + 1, c))
-        # no deeper than the chain: auto prices a tree against the chain's acceptance (``boost``)
-        picked = sorted((n for n in picked if depth[n] <= len(chain)), key=depth.__getitem__)  # parents first
+    # best first; among equals the shallower node (it costs the same row and leads to more)
+    picked, heap = [], [(-prob[c], 1, c) for c in children[0].values()]
+    heapq.heapify(heap)
+    while heap and len(picked) < max_nodes:
+        p, d, node = heapq.heappop(heap)
+        if -p < min_prob:
+            break
+        picked.append(node)
+        for c in children[node].values():
+            heapq.heappush(heap, (-prob[c], d + 1, c))
+    # no deeper than the chain: auto prices a tree against the chain's acceptance (``boost``)
+    picked = sorted((n for n in picked if depth[n] <= len(chain)), key=depth.__getitem__)  # parents first
     if not picked:
         return None
     new = {0: 0}

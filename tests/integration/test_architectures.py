@@ -29,12 +29,12 @@ import numpy as np
 import pytest
 
 from hetero_spec.api import HeteroSpec
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.config import TreeSpec
 from hetero_spec.errors import TargetError
 from hetero_spec.target import _ffi
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.tiny_models import FAMILIES, QUANTS, build_all
-from tests.conftest import bench_prompts
 from tests.curves import CHEAP_ROWS  # verification rows nearly free: auto drafts whatever this machine's timing
 
 CLI = [sys.executable, "-m", "hetero_spec"]

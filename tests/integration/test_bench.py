@@ -10,10 +10,10 @@ import pytest
 
 from hetero_spec.bench.baselines import BenchTarget
 from hetero_spec.bench.harness import METHODS, BenchConfig, Method, load_dataset, register, run_bench
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.bench.report import markdown, summarize, write_bench
 from hetero_spec.errors import HeteroSpecError
 from hetero_spec.target.llama_target import default_threads
-from tests.conftest import bench_prompts
 
 CLI = [sys.executable, "-m", "hetero_spec"]
 METHOD_NAMES = ("raw", "llama-cpp", "prompt-lookup", "plain", "chain", "chain-k1", "tree", "auto")

@@ -12,10 +12,10 @@ import pytest
 from converters import export_features as ef
 from converters.datasets import load_source, sharegpt_path
 from converters.export_features import ExportConfig, ExportError, export_features, merge_datasets
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.chat_template import render_chat
 from hetero_spec.features import iter_sequences, read_manifest
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
-from tests.conftest import bench_prompts
 
 CONVS = [
     {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "It is 4."},

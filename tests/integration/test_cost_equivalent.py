@@ -12,8 +12,8 @@ import pytest
 from hetero_spec.api import HeteroSpec
 from hetero_spec.bench.cost_equivalent import (LABEL, META_SCALE, ZEROED, cost_equivalent_label, greedy_identity,
                                                plan)
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
-from tests.conftest import bench_prompts
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_cost_equivalent_target.py"
 

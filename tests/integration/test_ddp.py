@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.draft.checkpoint import load_draft
 from hetero_spec.train.data import load_split, make_batches
 from hetero_spec.train.loop import TrainConfig, train
 from hetero_spec.train_cli import _target_parts
-from tests.conftest import bench_prompts
 from tests.feature_builder import build_features
 
 ROOT = Path(__file__).resolve().parents[2]

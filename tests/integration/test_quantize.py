@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.default_model import default_model_path
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.target.quantize import QuantizeError, QuantizeOptions, quantize
-from tests.conftest import bench_prompts
 from tests.invariance import assert_prefix_reuse_equals_fresh_prefill, assert_verify_equals_single_decodes
 
 

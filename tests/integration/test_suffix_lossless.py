@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.spec.orchestrator import generate_tokens
 from hetero_spec.spec.policy import FixedPolicy, Shape
 from hetero_spec.spec.suffix import SuffixCache, SuffixConfig
-from tests.conftest import bench_prompts
 
 N_NEW = 48
 GROUNDED = bench_prompts("grounded", 2)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.errors import TargetError
 from hetero_spec.target.layer_taps import LayerTapTarget
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
-from tests.conftest import bench_prompts
 
 TAPS = (2, 15, 27)
 

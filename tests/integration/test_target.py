@@ -4,10 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.errors import ContextFull, TargetError
 from hetero_spec.spec.orchestrator import generate_tokens
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
-from tests.conftest import bench_prompts
 from tests.invariance import assert_prefix_reuse_equals_fresh_prefill, assert_verify_equals_single_decodes
 
 from .oracle_draft import OracleDraft

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.draft.checkpoint import load_draft
 from hetero_spec.errors import HeteroSpecError
 from hetero_spec.train.loop import TrainConfig, train
 from hetero_spec.train_cli import _target_parts
-from tests.conftest import bench_prompts
 from tests.feature_builder import build_features
 
 BASE = TrainConfig(variant="darter", n_blocks=1, reduced_vocab=512, epochs=100, lr=3e-3, warmup_steps=5,

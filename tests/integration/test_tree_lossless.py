@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.calibration import CostCurve
 from hetero_spec.config import SpecConfig, TreeSpec
 from hetero_spec.errors import HeteroSpecError
@@ -14,7 +15,6 @@ from hetero_spec.spec.lookup import NgramLookup
 from hetero_spec.spec.policy import CATCHUP_ROWS, AutoPolicy, FixedPolicy, Shape
 from hetero_spec.spec.tree import Tree
 from tests.curves import cheap_rows_in
-from tests.conftest import bench_prompts
 
 from .oracle_draft import OracleDraft
 

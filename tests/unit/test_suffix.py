@@ -8,7 +8,7 @@ import pytest
 from hetero_spec.calibration import SETTLE_ROUNDS, CostCurve
 from hetero_spec.spec.lookup import NgramLookup
 from hetero_spec.spec.policy import AutoPolicy, Shape
-from hetero_spec.spec.suffix import SEP, SuffixCache, SuffixConfig, SuffixRequest, prompt_key
+from hetero_spec.spec.suffix import SEP, SuffixCache, SuffixConfig, SuffixRequest, _best_chain, _best_nodes, prompt_key
 from hetero_spec.spec.tree import Tree
 
 
@@ -63,6 +63,25 @@ def test_a_single_occurrence_proposes_what_prompt_lookup_does():
         want = look.propose(4)
         assert (prop.chain if prop else []) == want
     assert lookup.tokens == text
+
+
+def test_a_chain_is_the_most_probable_path_of_the_tree_without_building_it():
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(300):  # continuations over a few tokens, so that they share prefixes and tie
+        conts = [[int(t) for t in rng.integers(0, 3, rng.integers(1, 7))] for _ in range(rng.integers(1, 7))]
+        min_prob = float(rng.choice([0.0, 0.1, 0.3]))
+        depth = int(rng.integers(1, 8))
+        tree = _best_nodes(conts, 5, 64, min_prob)
+        chain = _best_chain(conts, 5, depth, min_prob)
+        if tree is None:
+            assert chain is None
+            continue
+        assert chain.chain == tree.chain and chain.chain_probs == pytest.approx(tree.chain_probs)
+        assert chain.tokens[1:] == tree.chain[:depth] and chain.depths == list(range(len(chain.tokens)))
+        assert chain.parents == [-1] + list(range(len(chain.tokens) - 1))
+        checked += 1
+    assert checked > 200
 
 
 def test_past_outputs_are_matched_but_never_across_their_boundaries():
