@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.conftest import bench_prompts
+from hetero_spec.bench.prompts import bench_prompts
 
 
 def assert_verify_equals_single_decodes(t, prompt: list[int], extra: list[int]) -> None:
