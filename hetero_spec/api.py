@@ -325,10 +325,11 @@ class HeteroSpec:
 
     def _run(self, tokens: list[int], cfg: SpecConfig, ts: TextStream,
              cancel: Callable[[], bool] | None = None, suffix: SuffixCache | None = None) -> Iterator[str]:
-        t0 = time.perf_counter()
+        # a first auto run measures the cost curve here (seconds, once per machine): not the request's time
         policy = self._policy(cfg, suffix is not None)
         if isinstance(policy, AutoPolicy):
             policy.new_text()
+        t0 = time.perf_counter()
         if suffix is not None and suffix.config.max_nodes > self.max_drafts:
             # a suffix tree has up to ``max_nodes`` nodes: the request reads the cache's config when it starts,
             # so the cap is in force for it only and the caller's cache keeps its own

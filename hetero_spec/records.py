@@ -82,7 +82,8 @@ class RunStats:
     def summary(self) -> str:
         d = self.to_dict()
         return (
-            f"{d['new_tokens']} tokens in {d['wall_s']:.2f}s ({d['tokens_per_s']:.1f} tok/s), "
+            f"{d['new_tokens']} tokens in {d['wall_s']:.2f}s (prefill {d['prefill_s']:.2f}s, then "
+            f"{d['tokens_per_s']:.1f} tok/s), "
             f"mean accepted length {d['mean_accepted_length']:.2f} over {d['rounds']} rounds, "
             f"stop: {d['stop_reason']}"
         )

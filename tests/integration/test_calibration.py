@@ -221,3 +221,28 @@ def test_each_width_costs_what_it_adds_to_a_stream_of_plain_decodes(monkeypatch)
     monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=lambda: target.now))
     curve = measure(target, None, ns=[1, 2, 4, 8], repeats=3, model="clock")
     assert curve.verify_ms == pytest.approx({1: 1.0, 2: 5.5, 4: 7.5, 8: 11.5})
+
+
+def test_the_first_auto_run_measures_the_curve_outside_the_requests_timings(model_path, tmp_path, monkeypatch):
+    """The first ``draft_len="auto"`` generation on a machine measures the cost curve (seconds, once); the request's
+    prefill time, wall time and tokens/s are its own (they once counted the measurement as prefill)."""
+    import shutil
+
+    from hetero_spec.api import HeteroSpec
+
+    spent: list[float] = []
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = measure(*args, **kwargs)
+        spent.append(time.perf_counter() - t0)
+        return out
+
+    monkeypatch.setattr(calibration, "measure", timed)
+    model = shutil.copy(model_path, tmp_path / "fresh.gguf")  # a file no curve is cached for
+    with HeteroSpec(model, n_ctx=1024) as hs:  # no draft model: auto over the copy sources
+        t0 = time.perf_counter()
+        out = hs.generate("The capital of France is", max_new_tokens=8, draft_len="auto")
+        elapsed = time.perf_counter() - t0
+    assert len(spent) == 1 and out.stats.new_tokens == 8
+    assert out.stats.prefill_s < out.stats.wall_s <= elapsed - spent[0]
