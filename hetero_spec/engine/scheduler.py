@@ -18,6 +18,7 @@ rest (up to ``max_rows``) in one of their own, so a long prompt never stalls the
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..target.sequences import Row
@@ -120,9 +121,7 @@ class Scheduler:
     def chunk_rows(self, width: int) -> int:
         """Prompt rows the chunk slot puts in a step whose narrowest generating slot puts in ``width`` rows."""
         slot = self.chunk_slot()
-        if slot is None:
-            return 0
-        return min(len(slot.request.prompt) - slot.fed, self.max_rows + width)
+        return 0 if slot is None else chunk_rows(len(slot.request.prompt) - slot.fed, self.max_rows, width)
 
     def counts(self, ks: dict[Slot, int]) -> list[tuple[int, int]]:
         """(sequence, rows) of the step ``plan(ks)`` lays out, in batch order: what the engine prices (the same
@@ -145,7 +144,7 @@ class Scheduler:
         and pad rows, as many as the narrowest generating slot has, for a sequence between two that decode
         and has nothing to decode itself (so the first micro-batch spans them all)."""
         gen = self.generating
-        width = 1 + min((ks.get(slot, 0) for slot in gen), default=0) if gen else 0
+        width = step_width(gen, ks)
         chunk = self.chunk_slot()
         by_seq: dict[int, list[tuple[Slot, Row, str]]] = {}
         for slot in gen:
@@ -170,6 +169,18 @@ class Scheduler:
         return dict(sorted(by_seq.items()))
 
 
+def step_width(generating: Iterable[Slot], ks: dict[Slot, int]) -> int:
+    """Rows of the narrowest generating slot (its pending token and drafts), 0 with none generating: a
+    sequence between two that decode is padded to this, so that the first micro-batch spans them all."""
+    return 1 + min((ks.get(slot, 0) for slot in generating), default=-1)
+
+
+def chunk_rows(left: int, max_rows: int, width: int) -> int:
+    """Prompt rows a chunk with ``left`` rows still to feed puts in a step of ``width``-row slots: up to
+    ``max_rows`` beyond the width, so that a long prompt shares each step with the slots that decode."""
+    return min(left, max_rows + width)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What a step's layout holds whatever its drafts: the generating slots and the prompt chunk's slot and
@@ -184,10 +195,10 @@ class StepShape:
     def counts(self, ks: dict[Slot, int]) -> tuple[tuple[int, int], ...]:
         """``Scheduler.counts`` for this step (the rules of ``Scheduler._layout``)."""
         gen = self.generating
-        width = 1 + min((ks.get(slot, 0) for slot in gen), default=0) if gen else 0
+        width = step_width(gen, ks)
         n = {slot.seq: 1 + ks.get(slot, 0) for slot in gen}
         if self.chunk_seq is not None:
-            n[self.chunk_seq] = min(self.chunk_left, self.max_rows + width)
+            n[self.chunk_seq] = chunk_rows(self.chunk_left, self.max_rows, width)
         if n and width:
             for seq in range(min(n), max(n) + 1):
                 n[seq] = max(n.get(seq, 0), width)

@@ -72,6 +72,29 @@ def test_layout_sorts_rows_pads_gaps_and_chunks_one_prompt():
     assert micro_batches(sch.counts({}), 8) == [4, 8]  # no drafts: the width-1 micro-batch and the chunk's rest
 
 
+@pytest.mark.parametrize("chunk_len", [2, 3, 20])
+def test_the_priced_layout_is_the_planned_one_for_every_draft_layout(chunk_len):
+    """``counts`` (what the engine prices) and ``plan`` (what it decodes) follow one set of rules: for every
+    mix of draft lengths, with a chunk shorter than, as long as, and longer than the width."""
+    import itertools
+
+    sch = Scheduler(n_slots=4, max_waiting=4, max_rows=8)
+    reqs = [Request([5, 6], 9), Request([1, 2, 3], 9), Request(list(range(100, 100 + chunk_len)), 9),
+            Request([7, 8, 9], 9)]
+    for r in reqs:
+        sch.submit(r)
+    s0, s1, s2, s3 = (a.slot for a in sch.admit())
+    for s, tok in ((s0, 42), (s1, 44), (s3, 43)):  # slot 2 prefills between generating slots
+        s.fed, s.pending, s.drafts = len(s.request.prompt), tok, [60, 61, 62]
+        s.request.out.append(tok)
+    for k0, k1, k3 in itertools.product(range(4), repeat=3):
+        ks = {s0: k0, s1: k1, s3: k3}
+        plan = sch.plan(ks)
+        assert plan.counts == sch.counts(ks), ks
+        width = 1 + min(k0, k1, k3)
+        assert dict(plan.counts)[2] == max(width, min(chunk_len, 8 + width)), ks
+
+
 def test_chunk_rows_bound_by_the_micro_batch_and_the_prompt():
     sch = Scheduler(n_slots=1, max_waiting=1, max_rows=8)
     sch.submit(Request(list(range(100, 105)), 4))
