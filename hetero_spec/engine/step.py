@@ -15,6 +15,7 @@ and the step adds the draft's measured step time per depth to the decode's price
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -146,7 +147,9 @@ class Engine:
         a wider micro-batch with the ``SETTLE_ROUNDS`` one-row decodes after it, less as many settled ones,
         since on some hosts the decodes after a wider one stay slow for several steps (measured on the
         2-core Xeon VM: a one-row step priced right after the context's 32-row decodes at 8.6 ms against
-        5.0 settled, so a single slot drafted the darter's chains every step at 0.87-0.90 times ``run``)."""
+        5.0 settled, so a single slot drafted the darter's chains every step at 0.87-0.90 times ``run``).
+        Each pass times every width once, in a shuffled order, so that a slow spell of the host raises all
+        prices alike instead of the few widths timed during it."""
         if not self.idle:
             raise RuntimeError("calibrate an engine before it serves")
         t = self.target
@@ -161,26 +164,32 @@ class Engine:
                 t.decode([Row(0, 0, context, True)])
                 t.keep(0, context)
 
-        settled = []
-        for _ in range(repeats):
+        def wide(n: int) -> float:  # an n-row micro-batch and the one-row decodes after it, in ms
+            seqs = next(k for k in range(min(n, n_seq), 0, -1) if n % k == 0)  # n = seqs x rows each
+            t0 = time.perf_counter()
+            t.decode([Row(seq, 0, context + i, True) for seq in range(seqs) for i in range(n // seqs)])
+            for seq in range(seqs):
+                t.keep(seq, context)
+            plain_rows(SETTLE_ROUNDS)
+            return 1e3 * (time.perf_counter() - t0)
+
+        def settled() -> float:  # ms of one-row decodes after as many
             plain_rows(SETTLE_ROUNDS)
             t0 = time.perf_counter()
             plain_rows(SETTLE_ROUNDS)
-            settled.append(1e3 * (time.perf_counter() - t0) / SETTLE_ROUNDS)
-        self.cost.set_median(1, settled)
+            return 1e3 * (time.perf_counter() - t0)
+
+        widths = [1] + [n for n in rows if 1 < n <= min(ub, t.options.batch_rows)]
+        samples: dict[int, list[float]] = {n: [] for n in widths}
+        order, rng = widths[:], random.Random(0)
+        for _ in range(repeats):  # every width once a pass, in a new order: the host's drift spreads over all
+            rng.shuffle(order)
+            for n in order:
+                samples[n].append(settled() if n == 1 else wide(n))
+        self.cost.set_median(1, [s / SETTLE_ROUNDS for s in samples[1]])
         t1 = self.cost.at(1)
-        for n in (n for n in rows if 1 < n <= min(ub, t.options.batch_rows)):
-            seqs = next(k for k in range(min(n, n_seq), 0, -1) if n % k == 0)  # n = seqs x rows each
-            batch = [Row(seq, 0, context + i, True) for seq in range(seqs) for i in range(n // seqs)]
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                t.decode(batch)
-                for seq in range(seqs):
-                    t.keep(seq, context)
-                plain_rows(SETTLE_ROUNDS)
-                samples.append(1e3 * (time.perf_counter() - t0) - SETTLE_ROUNDS * t1)
-            self.cost.set_median(n, [max(t1, s) for s in samples])  # noise can push the difference below t(1)
+        for n in widths[1:]:  # noise can push the difference below t(1)
+            self.cost.set_median(n, [max(t1, s - SETTLE_ROUNDS * t1) for s in samples[n]])
         for slot in self.scheduler.slots:
             t.clear(slot.seq)
             slot.cached = []
