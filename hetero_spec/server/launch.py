@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 
 import uvicorn
 
+from ..errors import HeteroSpecError
 from .app import create_app
 from .config import EngineConfig, ServerConfig
 
@@ -41,6 +43,22 @@ def configure_logging(level: int = logging.INFO) -> None:
         log.addHandler(handler)
     log.setLevel(level)
     log.propagate = False
+
+
+def bind(server: ServerConfig) -> socket.socket:
+    """The server's address, taken before the model loads: a wrong ``--host`` or a port in use is one line
+    at once, not after the load.  Bound, not listening: a client that connects while the model loads is
+    refused, as before, instead of waiting in the backlog (uvicorn listens once it serves)."""
+    family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((server.host, server.port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise HeteroSpecError(f"cannot listen on {server.host}:{server.port}: {why}") from None
+    return sock
 
 
 def uvicorn_config(app, server: ServerConfig) -> uvicorn.Config:
@@ -100,12 +118,13 @@ def slot_loader(engine: EngineConfig):
 def serve(engine: EngineConfig, server: ServerConfig) -> None:
     """Load ``engine``'s model and draft on the worker thread, then serve until interrupted.
 
-    A load failure raises ``LoadFailed`` (a ``HeteroSpecError``: one line, non-zero exit) before
-    uvicorn binds anything."""
+    An address that cannot be bound, and then a load failure (``LoadFailed``), raise a ``HeteroSpecError``
+    (one line, non-zero exit); the address is bound first, so its error comes before the load's seconds."""
     configure_logging()
     if not server.loopback_only:
         log.warning("binding to %s: other machines can reach this server%s", server.host,
                     "" if server.api_key else " and no --api-key is set")
+    sock = bind(server)
     if engine.parallel > 1:
         app = create_app(slot_loader(engine), server, engine.generate_options(), slots=engine.parallel)
     else:
@@ -114,8 +133,9 @@ def serve(engine: EngineConfig, server: ServerConfig) -> None:
     worker.start()
     try:
         worker.wait_ready()
-        ListeningServer(uvicorn_config(app, server)).run()
+        ListeningServer(uvicorn_config(app, server)).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is the normal stop
         log.info("stopped")
     finally:
+        sock.close()
         worker.stop()  # closes the model on its own thread (a no-op after the lifespan stopped it)

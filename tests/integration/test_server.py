@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -462,12 +463,20 @@ def test_model_that_cannot_load_is_one_line_and_a_nonzero_exit(tmp_path):
     assert "Traceback" not in proc.stderr and "listening on" not in proc.stderr
 
 
-def test_non_loopback_host_warns(model_path):
+def test_non_loopback_host_warns_and_an_address_that_cannot_be_bound_fails_before_the_load(model_path):
     # 192.0.2.1 (TEST-NET-1) is nobody's address: the warning comes, then the bind fails; nothing is exposed
     proc = subprocess.run([*CLI, "serve", model_path, "--host", "192.0.2.1", "--port", "0", "-t", "1"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert "binding to 192.0.2.1: other machines can reach this server" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: cannot listen on 192.0.2.1:0")
+    with socket.socket() as taken:  # a port in use: one line, and the model is never loaded
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        proc = subprocess.run([*CLI, "serve", model_path, "--port", str(port), "-t", "1"],
+                              capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use"]
 
 
 # ------------------------------------------------------------------ faults (a server in this process)
