@@ -20,9 +20,11 @@ import importlib.util
 import json
 import math
 import platform
+import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,10 +285,18 @@ def test_taps_draft_is_refused(gemma_path, tmp_path):
         HeteroSpec(gemma_path, path, n_ctx=256, threads=1, draft_device="cpu")
 
 
-def test_bench_and_calibrate(gemma_path, trained_draft, tmp_path):
+def test_calibrate_then_bench_reads_its_curve(gemma_path, trained_draft):
+    """The CLI's curve lands in the cache that ``auto`` reads: the bench's auto runs on it, measuring nothing."""
     from hetero_spec.bench.baselines import BenchTarget
     from hetero_spec.bench.harness import BenchConfig, run_bench
 
+    r = subprocess.run(CLI + ["calibrate", str(gemma_path), str(trained_draft), "-t", "1", "--repeats", "1",
+                              "--draft-device", "cpu"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    cached = Path(re.search(r"wrote (\S+\.json) and", r.stderr).group(1))
+    curve = json.loads(cached.read_text())
+    assert curve["verify_ms"] and curve["draft_step_ms"] > 0  # measured for this target and draft
+    written = cached.stat().st_mtime_ns
     target = BenchTarget(gemma_path, trained_draft, threads=1, n_ctx=512, k=3)
     with pytest.raises(HeteroSpecError, match="--template plain"):
         run_bench(BenchConfig(target=target, datasets=("mt_bench",), methods=("raw",), n_prompts=1, max_new_tokens=4))
@@ -294,8 +304,4 @@ def test_bench_and_calibrate(gemma_path, trained_draft, tmp_path):
                                 n_prompts=1, max_new_tokens=16, template="plain"))
     assert {r.method for r in res.records} == {"raw", "chain", "auto"} and all(r.equal for r in res.records)
     assert res.meta["template"] == "plain"
-    r = subprocess.run(CLI + ["calibrate", str(gemma_path), "-t", "1", "--repeats", "1", "--out", str(tmp_path / "c.json")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-500:]
-    curve = json.loads((tmp_path / "c.json").read_text())
-    assert curve  # a measured verification cost curve for this target
+    assert cached.stat().st_mtime_ns == written  # auto priced its rounds with the CLI's curve
