@@ -97,10 +97,12 @@ steps() {
   local x10_scale="${GPU_PROOF_X10_SCALE:-10}" sets="${GPU_PROOF_SETS:-mt_bench,humaneval,gsm8k,alpaca}"
   local methods="${GPU_PROOF_METHODS:-raw,auto,chain-k1,chain-k2,chain-k3,chain-k4,chain-k5,tree}"
   local x10_methods="${GPU_PROOF_X10_METHODS:-raw,auto,chain-k3,tree}" rounds="${GPU_PROOF_DRAFT_ROUNDS:-200}"
+  local curve_timings="--quick"  # 3 timings a width; GPU_PROOF_CURVE_REPEATS sets another count
+  [[ -n "${GPU_PROOF_CURVE_REPEATS:-}" ]] && curve_timings="--repeats $GPU_PROOF_CURVE_REPEATS"
   mkdir -p "$out"
   for t in $curve_threads; do
     log "1. verification curve, $t threads"
-    timeout "$(left)" hetero-spec calibrate "$model" "$draft" -t "$t" --quick --draft-device "$device" \
+    timeout "$(left)" hetero-spec calibrate "$model" "$draft" -t "$t" $curve_timings --draft-device "$device" \
       --out "$out/curve-t$t.json" > "$out/curve-t$t.txt" || log "curve at $t threads did not finish"
   done
   log "2. the draft step on $device"
