@@ -72,8 +72,8 @@ class BatchGenerator:
             drafting = Drafting(lookup_depth=COPY_DEPTH if drafts else 0, draft_depth=DRAFT_DEPTH if draft else 0)
             self.engine = Engine(self.target, max_waiting=slots, drafting=drafting, draft=slot_drafts,
                                  prompt_cache=PromptCache(cache_ram_mib << 20) if cache_ram_mib else None)
-            if drafts:
-                self.engine.calibrate()
+            if drafts:  # the step prices kept for this machine, model and layout, or measured once (seconds)
+                self.engine.calibrate(cached=True)
         except BaseException:
             self.target.close()
             raise

@@ -374,17 +374,19 @@ def cache_dir() -> Path:
     return root() / "calibration"
 
 
+def file_ident(p: str | Path | None) -> str:
+    """A file's path, size and modification time: a cache keyed on it is measured again when the file changes."""
+    if p is None:
+        return "none"
+    p = Path(p).resolve()
+    st = p.stat() if p.exists() else None
+    return f"{p}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}"
+
+
 def cache_path(target_path: str | Path, draft_path: str | Path | None, threads: int) -> Path:
     """One JSON per machine, target file (name, size, mtime), draft file and thread count."""
 
-    def ident(p: str | Path | None) -> str:
-        if p is None:
-            return "none"
-        p = Path(p).resolve()
-        st = p.stat() if p.exists() else None
-        return f"{p}:{st.st_size if st else 0}:{int(st.st_mtime) if st else 0}"
-
-    key = "|".join([machine_id(threads), ident(target_path), ident(draft_path)]
+    key = "|".join([machine_id(threads), file_ident(target_path), file_ident(draft_path)]
                    + ([f"draft-step-v{DRAFT_STEP_VERSION}"] if draft_path is not None and DRAFT_STEP_VERSION > 1 else [])
                    + [f"timing-v{TIMING_VERSION}"])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -430,4 +432,4 @@ def save(curve: CostCurve, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CostCurve", "measure", "merge", "cache_path", "load_or_measure", "save", "machine_id", "timings_count"]
+__all__ = ["CostCurve", "measure", "merge", "cache_dir", "cache_path", "file_ident", "load_or_measure", "save", "machine_id", "timings_count"]

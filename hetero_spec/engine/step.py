@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..spec.suffix import SuffixCache, SuffixConfig
 from ..target.sequences import Row, SequenceTarget
 from .cost import PROBE_ROWS, Acceptance, StepCost, expected_accepted, micro_batches
 from .drafts import SlotDrafts
+from . import price_cache
 from .prompt_cache import PromptCache
 from .scheduler import Admitted, Scheduler
 from .slots import Request, Slot
@@ -111,6 +113,8 @@ class Engine:
         # only the rows whose logits pick a token are outputs: the target's features cover every row
         self.scheduler = Scheduler(target.options.n_seq, max_waiting, target.options.max_rows, target.seq_ctx)
         self.cost = StepCost()
+        self.prices_file: Path | None = None  # where ``calibrate(cached=True)`` read or wrote the prices
+        self.prices_measured_s = 0.0
         # acceptance of trusted drafts by the length of the match behind them (an exact repeat of a past answer
         # matches far back and is copied almost whole), of the draft model's chains, and of guesses that only
         # fill the batch's width
@@ -137,7 +141,8 @@ class Engine:
     def idle(self) -> bool:
         return not self.scheduler.active and not self.scheduler.waiting
 
-    def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5, context: int = 256) -> StepCost:
+    def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5, context: int = 256, *,
+                  cached: bool = False) -> StepCost:
         """Measure one micro-batch at several fills on this machine, before any request: the prices ``_choose``
         starts from (steps that keep a shape keep them current).  Laid out as steps are (the rows spread
         evenly over consecutive sequences, each holding ``context`` cells already, as a request in flight
@@ -149,9 +154,26 @@ class Engine:
         2-core Xeon VM: a one-row step priced right after the context's 32-row decodes at 8.6 ms against
         5.0 settled, so a single slot drafted the darter's chains every step at 0.87-0.90 times ``run``).
         Each pass times every width once, in a shuffled order, so that a slow spell of the host raises all
-        prices alike instead of the few widths timed during it."""
+        prices alike instead of the few widths timed during it.
+
+        ``cached``: the prices come from the file kept for this machine, model and layout when there is one
+        (``price_cache.py``), else they are measured and the file written; ``prices_file`` names it and
+        ``prices_measured_s`` says how long measuring took (0 when read)."""
         if not self.idle:
             raise RuntimeError("calibrate an engine before it serves")
+        started = time.perf_counter()
+        path = price_cache.prices_path(self.target, rows, repeats, context) if cached else None
+        if path is not None and (cost := price_cache.load(path)) is not None:
+            self.cost, self.prices_file, self.prices_measured_s = cost, path, 0.0
+            return cost
+        self._measure(rows, repeats, context)
+        self.prices_measured_s = time.perf_counter() - started
+        if path is not None:
+            self.prices_file = price_cache.save(self.cost, path, f"{self.target.path.name}, measured by "
+                                                f"Engine.calibrate in {self.prices_measured_s:.1f} s")
+        return self.cost
+
+    def _measure(self, rows: tuple[int, ...], repeats: int, context: int) -> None:
         t = self.target
         n_seq, ub = t.options.n_seq, t.options.max_rows
         context = max(0, min(context, t.seq_ctx - ub - 1))
@@ -193,7 +215,6 @@ class Engine:
         for slot in self.scheduler.slots:
             t.clear(slot.seq)
             slot.cached = []
-        return self.cost
 
     def step(self) -> tuple[StepRecord | None, list[Request]]:
         """Admit, decode one batch, pick tokens; returns the step's record (None if nothing ran) and

@@ -87,7 +87,12 @@ class SlotWorker(ModelThread):
         self.engine = Engine(model.target, max_waiting=self.n_slots, drafting=drafting, draft=model.drafts,
                              prompt_cache=model.prompt_cache)
         if drafting.lookup_depth > 0 or drafting.draft_depth > 0:  # prices a step's draft rows before the first request
-            self.engine.calibrate()
+            engine = self.engine
+            engine.calibrate(cached=True)
+            if engine.prices_measured_s:
+                log.info("step prices measured in %.1f s, kept in %s", engine.prices_measured_s, engine.prices_file)
+            else:
+                log.info("step prices from %s (delete it to measure again)", engine.prices_file)
         if self.engine.draft is not None:
             log.info("draft model (%s weights) drafts up to %d tokens for each of %d slots, priced on the batch",
                      self.engine.draft.runner.weights, drafting.draft_depth, self.n_slots)

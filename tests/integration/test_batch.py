@@ -49,3 +49,16 @@ def test_batch_bad_input_is_one_error(model_path, tmp_path):
     with BatchGenerator(model_path, slots=2, n_ctx=64, threads=1, drafts=False) as bg:
         with pytest.raises(HeteroSpecError, match="prompt 1 has"):
             bg.generate(["hi", "word " * 100], max_new_tokens=4, progress=False)
+
+
+def test_step_prices_are_measured_once_per_machine_model_and_layout(model_path):
+    """The second job on the same machine, model and slots reads the first one's prices instead of timing
+    hundreds of decodes again (a damaged file: ``tests/unit/test_price_cache.py``)."""
+    with BatchGenerator(model_path, slots=2, n_ctx=512, threads=1) as first:
+        path, measured, prices = first.engine.prices_file, first.engine.prices_measured_s, dict(first.engine.cost.ms)
+    assert path is not None and path.is_file() and measured > 0 and len(prices) >= 2
+    written = path.stat().st_mtime_ns
+    with BatchGenerator(model_path, slots=2, n_ctx=512, threads=1) as again:
+        assert again.engine.prices_file == path and again.engine.prices_measured_s == 0
+        assert again.engine.cost.ms == pytest.approx(prices, abs=1e-4)  # as written (rounded to 0.1 us)
+    assert path.stat().st_mtime_ns == written
