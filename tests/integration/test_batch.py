@@ -25,13 +25,25 @@ def alone(model_path) -> list[str]:
 
 @pytest.mark.parametrize("drafts", [False, True], ids=["plain", "copy-drafts"])
 def test_batch_answers_equal_alone(model_path, alone, drafts):
-    """Six conversations through three slots (so slots are reused), greedy: every text is the one-by-one text."""
+    """Six conversations through three slots (so slots are reused), greedy: every text is the one-by-one text;
+    with drafts, a second job on the same layout reads the first one's step prices instead of measuring."""
     with BatchGenerator(model_path, slots=3, n_ctx=512, threads=1, drafts=drafts) as bg:
+        prices = dict(bg.engine.cost.ms)  # as calibrated (the steps below keep them current in memory only)
         outs = bg.chat([[{"role": "user", "content": q}] for q in QUESTIONS], max_new_tokens=32, progress=False)
     assert [o.text for o in outs] == alone
     assert all(o.stop_reason in ("eog", "max_tokens") for o in outs)
     if not drafts:
         assert all(o.drafted == 0 for o in outs)
+        return
+    # the step prices are measured once per machine, model and layout: the next job reads them (a damaged file:
+    # tests/unit/test_price_cache.py)
+    path = bg.engine.prices_file
+    assert path is not None and path.is_file() and len(prices) >= 2
+    written = path.stat().st_mtime_ns
+    with BatchGenerator(model_path, slots=3, n_ctx=512, threads=1, drafts=drafts) as again:
+        assert again.engine.prices_file == path and again.engine.prices_measured_s == 0
+        assert again.engine.cost.ms == pytest.approx(prices, abs=1e-4)  # as written (rounded to 0.1 us)
+    assert path.stat().st_mtime_ns == written
 
 
 def test_batch_with_a_draft_model_equals_alone(model_path, alone):
@@ -50,15 +62,3 @@ def test_batch_bad_input_is_one_error(model_path, tmp_path):
         with pytest.raises(HeteroSpecError, match="prompt 1 has"):
             bg.generate(["hi", "word " * 100], max_new_tokens=4, progress=False)
 
-
-def test_step_prices_are_measured_once_per_machine_model_and_layout(model_path):
-    """The second job on the same machine, model and slots reads the first one's prices instead of timing
-    hundreds of decodes again (a damaged file: ``tests/unit/test_price_cache.py``)."""
-    with BatchGenerator(model_path, slots=2, n_ctx=512, threads=1) as first:
-        path, measured, prices = first.engine.prices_file, first.engine.prices_measured_s, dict(first.engine.cost.ms)
-    assert path is not None and path.is_file() and measured > 0 and len(prices) >= 2
-    written = path.stat().st_mtime_ns
-    with BatchGenerator(model_path, slots=2, n_ctx=512, threads=1) as again:
-        assert again.engine.prices_file == path and again.engine.prices_measured_s == 0
-        assert again.engine.cost.ms == pytest.approx(prices, abs=1e-4)  # as written (rounded to 0.1 us)
-    assert path.stat().st_mtime_ns == written

@@ -24,6 +24,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from tests.curves import CHEAP_ROWS  # noqa: E402  (after the skips: the server's extra may be missing)
+
 CLI = [sys.executable, "-m", "hetero_spec"]
 KEY = "test-key-123"
 CTX = 1024
@@ -493,7 +495,9 @@ def inproc(model_path):
 
     def load():
         loaded_on.append(threading.current_thread().name)
-        return HeteroSpec(model_path, n_ctx=512, threads=1)
+        hs = HeteroSpec(model_path, n_ctx=512, threads=1)
+        hs._curve = CHEAP_ROWS  # auto's first request prices rows from this, not from seconds of measuring
+        return hs
 
     app = create_app(load, config)
     srv = ListeningServer(uvicorn_config(app, config))
