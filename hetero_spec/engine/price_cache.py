@@ -19,9 +19,9 @@ PRICES_VERSION = 1  # bumped when what a price means changes, so that every cach
 
 
 def prices_path(target, rows: tuple[int, ...], repeats: int, context: int) -> Path:
-    """The cache file for ``target`` (a ``SequenceTarget``) probed at ``rows``, ``repeats`` and ``context``."""
+    """The cache file for ``target`` (a ``SequenceTarget``) probed at ``rows``, ``repeats`` and ``context``
+    (the cells each sequence holds while probed, as ``Engine.calibrate`` fits them to the context)."""
     o = target.options
-    context = max(0, min(context, target.seq_ctx - o.max_rows - 1))  # as Engine.calibrate clamps it
     layout = (f"{o.n_seq} seqs, {o.max_rows}-row micro-batches, {o.batch_rows}-row decodes, kv {o.kv_type}, "
               f"features {o.features} taps {list(o.taps)}, unified {o.kv_unified}")
     probe = f"rows {list(rows)} x{repeats} at {context} cells"

@@ -162,21 +162,22 @@ class Engine:
         if not self.idle:
             raise RuntimeError("calibrate an engine before it serves")
         started = time.perf_counter()
-        path = price_cache.prices_path(self.target, rows, repeats, context) if cached else None
+        t = self.target
+        context = max(0, min(context, t.seq_ctx - t.options.max_rows - 1))  # room for the widest probe after it
+        path = price_cache.prices_path(t, rows, repeats, context) if cached else None
         if path is not None and (cost := price_cache.load(path)) is not None:
             self.cost, self.prices_file, self.prices_measured_s = cost, path, 0.0
             return cost
         self._measure(rows, repeats, context)
         self.prices_measured_s = time.perf_counter() - started
         if path is not None:
-            self.prices_file = price_cache.save(self.cost, path, f"{self.target.path.name}, measured by "
+            self.prices_file = price_cache.save(self.cost, path, f"{t.path.name}, measured by "
                                                 f"Engine.calibrate in {self.prices_measured_s:.1f} s")
         return self.cost
 
     def _measure(self, rows: tuple[int, ...], repeats: int, context: int) -> None:
         t = self.target
         n_seq, ub = t.options.n_seq, t.options.max_rows
-        context = max(0, min(context, t.seq_ctx - ub - 1))
         for seq in range(n_seq):
             for start in range(0, context, ub):
                 t.decode([Row(seq, 0, p, False) for p in range(start, min(context, start + ub))])

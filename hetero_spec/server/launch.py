@@ -124,12 +124,12 @@ def serve(engine: EngineConfig, server: ServerConfig) -> None:
     if not server.loopback_only:
         log.warning("binding to %s: other machines can reach this server%s", server.host,
                     "" if server.api_key else " and no --api-key is set")
-    sock = bind(server)
     if engine.parallel > 1:
         app = create_app(slot_loader(engine), server, engine.generate_options(), slots=engine.parallel)
     else:
         app = create_app(loader(engine), server, engine.generate_options())
     worker = app.state.worker
+    sock = bind(server)  # before the worker starts loading
     worker.start()
     try:
         worker.wait_ready()

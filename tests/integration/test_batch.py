@@ -61,4 +61,3 @@ def test_batch_bad_input_is_one_error(model_path, tmp_path):
     with BatchGenerator(model_path, slots=2, n_ctx=64, threads=1, drafts=False) as bg:
         with pytest.raises(HeteroSpecError, match="prompt 1 has"):
             bg.generate(["hi", "word " * 100], max_new_tokens=4, progress=False)
-

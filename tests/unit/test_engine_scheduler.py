@@ -143,7 +143,6 @@ def test_engine_prices_one_row_settled_and_a_width_with_the_decodes_it_slows(mon
     assert cost.ms == pytest.approx({1: 1.0, 2: 5.5, 4: 7.5, 8: 11.5})
 
 
-
 class NoisyClockSequences(ClockSequences):
     """... whose one-row decodes after a wider one run faster than settled ones, as a noisy VM's sometimes did."""
 
