@@ -21,7 +21,6 @@ first unrecorded chunk and produces exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetero_spec import atomic_file
 from hetero_spec.config import TargetFingerprint
 from hetero_spec.errors import HeteroSpecError
 from hetero_spec.features import FeatureSequence, Manifest, ShardInfo, read_manifest, shard_name, write_manifest, write_shard
@@ -227,9 +227,7 @@ def _open(cfg: CorpusConfig, src, fingerprint) -> dict:
 
 
 def _write_manifest(folder: Path, m: dict) -> None:
-    tmp = folder / f".manifest.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(m, indent=2, sort_keys=True))
-    os.replace(tmp, folder / "manifest.json")
+    atomic_file.write_text(folder / "manifest.json", json.dumps(m, indent=2, sort_keys=True))
 
 
 def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab, events: Counter,
@@ -248,9 +246,8 @@ def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab,
                    "conversation": np.array([r.key for r in done], dtype=np.int64),
                    "turns": np.array([r.turns for r in done], dtype=np.uint8)}
         path = ids_dir / f"ids-{index:05d}.safetensors"
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        with atomic_file.replacing(path) as tmp:
+            save_file(tensors, str(tmp))
         if cfg.features:
             _append_features(cfg, done, vocab, index, template)
     c = m["counts"]

@@ -176,9 +176,7 @@ def _flush(cfg: ExportConfig, manifest: Manifest, prog: _Progress) -> None:
         path = cfg.out / shard_name(len(manifest.shards))
         try:
             info = write_shard(path, prog.sequences, metadata={"first_index": str(prog.next_index)})
-        except OSError as exc:
-            for tmp in cfg.out.glob(f".{path.name}.tmp*"):
-                tmp.unlink(missing_ok=True)
+        except OSError as exc:  # write_shard has removed its temporary
             raise ExportError(f"could not write {path.name} ({exc.strerror}); completed shards are valid, "
                               "free some space and rerun the same command to resume") from None
         manifest.shards.append(info)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from hetero_spec import atomic_file
 from hetero_spec.errors import HeteroSpecError
 
 from .datasets import ChatRenderer
@@ -142,9 +143,7 @@ def _resume(cfg: PromptConfig, out: Path, state_path: Path) -> dict:
 
 
 def _write_state(path: Path, state: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, path)
+    atomic_file.write_text(path, json.dumps(state, indent=1))
 
 
 def summary_line(out: Path, state: dict) -> str:

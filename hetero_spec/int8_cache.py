@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import atomic_file
 from .calibration import machine_id
 from .draft.int8 import Int8Calibration, Int8Check
 from .target.gguf_weights import cache_dir
@@ -57,7 +58,6 @@ def save(target_path: str | Path, draft_path: str | Path, cal: Int8Calibration) 
     if cal.check is None:
         return
     path = cache_path(target_path, draft_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in cal.smooth.items()}, str(tmp), metadata={"check": json.dumps(asdict(cal.check))})
-    os.replace(tmp, path)
+    with atomic_file.replacing(path) as tmp:
+        save_file({k: v.contiguous() for k, v in cal.smooth.items()}, str(tmp),
+                  metadata={"check": json.dumps(asdict(cal.check))})

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from . import atomic_file
 from .errors import HeteroSpecError
 
 BUILDER_VERSION = 2  # bump when a config, the tokenizer or the conversion changes: the cache key
@@ -147,12 +147,8 @@ def build_family(family: str, quants: tuple[str, ...] = QUANTS, *, force: bool =
             with tempfile.TemporaryDirectory(prefix=f"tiny-{fam.name}-") as tmp:
                 hf = Path(tmp) / "hf"
                 write_hf_model(fam, hf)
-                tmp_gguf = folder / f".{f32.name}.tmp{os.getpid()}"
-                try:
+                with atomic_file.replacing(f32) as tmp_gguf:
                     convert(hf, tmp_gguf, fam)
-                    os.replace(tmp_gguf, f32)
-                finally:
-                    tmp_gguf.unlink(missing_ok=True)
         for q, path in out.items():
             if force or not path.is_file():
                 with warnings.catch_warnings():

@@ -6,13 +6,13 @@ target they must come from.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .. import atomic_file
 from ..config import ConfigError, DraftConfig, TargetFingerprint
 from ..errors import DraftError
 from .model import DraftModel
@@ -36,9 +36,8 @@ def save_draft(
         for k, v in model.state_dict().items()
     }
     meta = {CONFIG_KEY: model.cfg.to_json(), FORMAT_KEY: FORMAT, **(extra or {})}
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file(state, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    with atomic_file.replacing(path) as tmp:
+        save_file(state, str(tmp), metadata=meta)
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:

@@ -12,6 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from .. import atomic_file
 from ..calibration import cache_dir, file_ident, machine_id
 from .cost import StepCost
 
@@ -45,9 +46,6 @@ def load(path: Path) -> StepCost | None:
 
 def save(cost: StepCost, path: Path, about: str) -> Path:
     """Written whole or not at all: a concurrent reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"version": PRICES_VERSION, "about": about,
-                               "ms": {str(n): round(ms, 4) for n, ms in sorted(cost.ms.items())}}, indent=2))
-    tmp.replace(path)
-    return path
+    return atomic_file.write_text(path, json.dumps({"version": PRICES_VERSION, "about": about,
+                                                    "ms": {str(n): round(ms, 4) for n, ms in sorted(cost.ms.items())}},
+                                                   indent=2))

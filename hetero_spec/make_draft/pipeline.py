@@ -9,7 +9,6 @@ shared work folder; every rank trains (DDP); rank 0 alone checks and reports.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -17,8 +16,9 @@ from pathlib import Path
 
 import click
 
+from .. import atomic_file
 from ..errors import HeteroSpecError
-from .plan import Plan, State, write_atomic
+from .plan import Plan, State
 
 N_SEQ = 16  # conversations decoded together (the recipe's --n-seq)
 CHAIN = 4  # the chain length the check measures and the trainer's held-out estimate is for
@@ -243,10 +243,6 @@ def publish(paths: Paths, report: dict) -> None:
     """OUT and its report, each renamed into place whole (the plot was written by ``report.plot``)."""
     import json
 
-    tmp = paths.out.with_name(f".{paths.out.name}.tmp{os.getpid()}")
-    try:
+    with atomic_file.replacing(paths.out) as tmp:
         shutil.copyfile(paths.draft, tmp)
-        os.replace(tmp, paths.out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    write_atomic(paths.report_json, json.dumps(report, indent=2))
+    atomic_file.write_text(paths.report_json, json.dumps(report, indent=2))

@@ -8,10 +8,10 @@ and ``--hours``, written to ``WORK/plan.json``, and read back by every later run
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import atomic_file
 from ..errors import HeteroSpecError
 
 PLAN_VERSION = 1
@@ -119,15 +119,8 @@ def load_or_make(path: Path, fresh: Plan) -> Plan:
             raise HeteroSpecError(f"{path.parent} was made with other options: " + "; ".join(diffs)
                                   + "; rerun with those, or give a new --work-dir")
         return old
-    write_atomic(path, fresh.to_json())
+    atomic_file.write_text(path, fresh.to_json())
     return fresh
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class State:
@@ -144,4 +137,4 @@ class State:
         return bool(self.data["stages"].get(name, {}).get("done"))
 
     def save(self) -> None:
-        write_atomic(self.path, json.dumps(self.data, indent=2))
+        atomic_file.write_text(self.path, json.dumps(self.data, indent=2))

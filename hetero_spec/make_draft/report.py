@@ -13,8 +13,9 @@ both are reported so that the gap is visible.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from .. import atomic_file
 
 
 def estimated_tau(step_top1: list[float]) -> list[float]:
@@ -108,10 +109,8 @@ def plot(report: dict, history_path: Path, png: Path) -> None:
     fig.suptitle(f"{Path(report['draft']).name}: {report['training']['steps']} steps, "
                  f"{report['corpus']['conversations']} conversations, {report['hours']} h budget", fontsize=9)
     fig.tight_layout()
-    tmp = png.with_name(f".{png.stem}.tmp{os.getpid()}.png")
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, png)
+        with atomic_file.replacing(png) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")  # the temporary's name ends in .tmpPID-TID, not .png
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)

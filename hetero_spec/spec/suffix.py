@@ -34,6 +34,8 @@ from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
+from .. import atomic_file
+
 SEP = -1  # between cached outputs: no real token equals it, so no match or continuation crosses it
 
 
@@ -215,10 +217,7 @@ class SuffixCache:
         path = Path(path)
         data = {"format": "hetero-spec suffix cache", "version": 1, "config": asdict(self.config),
                 "entries": [[_key_out(key), tokens] for key, tokens in self.outputs()]}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, separators=(",", ":")))
-        tmp.replace(path)
-        return path
+        return atomic_file.write_text(path, json.dumps(data, separators=(",", ":")))
 
     def load(self, path: str | Path) -> int:
         """Add the outputs a ``save`` wrote (after what is held, oldest first); returns how many.

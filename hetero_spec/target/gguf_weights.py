@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import atomic_file
 from ..errors import TargetError
 
 EMBEDDING = "token_embd.weight"
@@ -83,10 +84,7 @@ def load_target_weights(path: str | Path) -> TargetWeights:
         meta = json.loads(meta_file.read_text())
     else:  # also for caches written before the metadata was kept
         meta = read_head_meta(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = meta_file.with_name(f".{meta_file.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, meta_file)
+        atomic_file.write_text(meta_file, json.dumps(meta))
     scale, softcap = float(meta["embedding_scale"]), float(meta["logit_softcap"])
     if softcap:
         warnings.warn(f"{path.name} caps its final logits at {softcap:g} (tanh); a draft's head and the trainer use "
@@ -184,6 +182,5 @@ def load_block(path: str | Path, index: int) -> dict[str, np.ndarray]:
 
 
 def _atomic_save(target: Path, arr: np.ndarray) -> None:
-    tmp = target.with_suffix(f".tmp{os.getpid()}.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, target)
+    with atomic_file.replacing(target) as tmp, open(tmp, "wb") as fh:  # a file object: np.save adds no ".npy"
+        np.save(fh, arr)

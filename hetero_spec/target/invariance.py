@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .. import atomic_file
 
 if TYPE_CHECKING:
     from .llama_target import LlamaTarget
@@ -131,12 +132,9 @@ def check(target: "LlamaTarget", max_rows: int | None = None) -> Invariance:
         pass
     result = measure(target, want)
     if result.checked_rows >= min(want, 2):  # a context too small to check is not an answer worth keeping
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         d = asdict(result)
         del d["cached"]
-        tmp.write_text(json.dumps(d))
-        tmp.replace(path)
+        atomic_file.write_text(path, json.dumps(d))
     return result
 
 

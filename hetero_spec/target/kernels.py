@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import atomic_file
 from ..cpu_features import cpu_info
 from ..errors import TargetError
 
@@ -149,11 +150,8 @@ def _cached_probe() -> ProbeResult:
     except (OSError, ValueError, KeyError):
         pass
     result = run_probe("default")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"survived": result.survived, "buffer_types": list(result.buffer_types),
-                               "detail": result.detail}))
-    tmp.replace(path)
+    atomic_file.write_text(path, json.dumps({"survived": result.survived, "buffer_types": list(result.buffer_types),
+                                             "detail": result.detail}))
     return result
 
 

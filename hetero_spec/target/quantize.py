@@ -8,11 +8,11 @@ The output is written to a temporary name and renamed, so a file that exists is 
 from __future__ import annotations
 
 import ctypes
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import atomic_file
 from ..errors import TargetError
 from ._ffi import C, check_gguf_header, ensure_backend
 
@@ -83,16 +83,10 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions = Quanti
     if is_requantization(src):
         warnings.warn(f"{src.name} is already quantized; re-quantizing compounds the rounding error",
                       UserWarning, stacklevel=2)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
     ensure_backend()
-    try:
+    with atomic_file.replacing(dst) as tmp:
         rc = C.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
         if rc != 0:
             raise QuantizeError(f"llama.cpp could not quantize {src} to {options.type} (code {rc}; "
                                 "corrupt file or unsupported type)")
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return dst

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .. import atomic_file
 from ..config import ConfigError, DraftConfig, TargetFingerprint, draft_config_for
 from ..draft.checkpoint import TRAINING_KEY, load_draft, read_metadata, save_draft
 from ..draft.model import DraftModel, init_weights
@@ -573,10 +574,10 @@ class _Unrolled(torch.nn.Module):
 
 
 def _save_checkpoint(path: Path, model, opt, state) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}, tmp)
-    os.replace(tmp, path)
+    with atomic_file.replacing(path) as tmp:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
+                    "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}},
+                   tmp)
 
 
 def _load_checkpoint(path: Path, model, opt) -> dict:

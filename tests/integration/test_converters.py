@@ -5,9 +5,11 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from converters import export_features as ef
 from converters.datasets import load_source, sharegpt_path
@@ -265,20 +267,21 @@ def test_disk_full_keeps_completed_shards_and_resumes(model_path, source, tmp_pa
 
     base = cfg(model_path, tmp_path / "whole", source, chunk=2, shard_mb=0)  # a shard after every chunk
     part = replace(base, out=tmp_path / "part")
-    real = ef.write_shard
+    real = safetensors.numpy.save_file
     calls = {"n": 0}
 
-    def full_disk(path, *a, **kw):
+    def full_disk(tensors, filename, *a, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
-            path.with_name(f".{path.name}.tmp1").write_bytes(b"partial")  # what a failed write leaves
+            Path(filename).write_bytes(b"partial")  # the disk fills halfway through the third shard
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *a, **kw)
+        return real(tensors, filename, *a, **kw)
 
-    monkeypatch.setattr(ef, "write_shard", full_disk)
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
     with pytest.raises(ExportError, match="completed shards are valid"):
         export_features(part)
-    monkeypatch.setattr(ef, "write_shard", real)
+    monkeypatch.setattr(safetensors.numpy, "save_file", real)
+    assert calls["n"] == 3
     assert len(read_manifest(part.out).shards) == 2 and not list(part.out.glob(".*tmp*"))
     export_features(part)
     export_features(base)
