@@ -1,6 +1,7 @@
 """``hetero-spec serve``: load the model once, then run the app under uvicorn until Ctrl-C / SIGTERM."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sys
@@ -24,6 +25,30 @@ class ListeningServer(uvicorn.Server):
         super().__init__(config)
         self.ready = threading.Event()
         self.port: int | None = None
+
+    def run(self, sockets=None) -> None:
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(self._quiet_when_forced)
+        try:
+            super().run(sockets)  # the loop's last tasks are cancelled, and logged, inside this call
+        finally:
+            uvicorn_log.removeFilter(self._quiet_when_forced)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """A second Ctrl-C skips the graceful wait (uvicorn's force exit): said in one line, because the
+        requests it cuts and the lifespan it skips are cancelled, which uvicorn would log as tracebacks."""
+        forced = self.force_exit
+        super().handle_exit(sig, frame)
+        if self.force_exit and not forced:
+            log.info("stopping now: %d connection(s) cut", len(self.server_state.connections))
+
+    def _quiet_when_forced(self, record: logging.LogRecord) -> bool:
+        """After a force exit, drop the cancellations' tracebacks: uvicorn logs a cut request's with
+        ``exc_info``, and starlette hands the lifespan's over as text."""
+        if not self.force_exit:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) or record.getMessage().rstrip().endswith("CancelledError"))
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

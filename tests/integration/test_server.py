@@ -465,6 +465,39 @@ def test_model_that_cannot_load_is_one_line_and_a_nonzero_exit(tmp_path):
     assert "Traceback" not in proc.stderr and "listening on" not in proc.stderr
 
 
+def test_second_ctrl_c_stops_at_once_in_one_line_and_exits_zero(model_path):
+    """The first Ctrl-C waits for the request in flight; a second one cuts it, as uvicorn does, but says so
+    in one line: the cancelled request's and the lifespan's tracebacks are not a user's business."""
+    srv = ServerProcess(model_path, "--no-draft", "--parallel", 1, "-t", 1, "--ctx", CTX)
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": LONG_PROMPT, "max_tokens": LONG_TOKENS, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=CALL_S) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        first.set()
+        except httpx.HTTPError:  # the cut: the server closes the connection mid-stream
+            pass
+
+    client = threading.Thread(target=stream, daemon=True)
+    client.start()
+    try:
+        assert first.wait(CALL_S), "\n".join(srv.lines[-20:])  # generating now
+        srv.proc.send_signal(signal.SIGINT)
+        srv.wait_for_line(lambda ln: "Waiting for connections to close" in ln, 30)  # the graceful wait
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
+    client.join(30)
+    srv.wait_for_line(lambda ln: "Finished server process" in ln, 5)
+    log = "\n".join(srv.lines)
+    assert "stopping now: 1 connection(s) cut" in log, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+
+
 def test_non_loopback_host_warns_and_an_address_that_cannot_be_bound_fails_before_the_load(model_path):
     # 192.0.2.1 (TEST-NET-1) is nobody's address: the warning comes, then the bind fails; nothing is exposed
     proc = subprocess.run([*CLI, "serve", model_path, "--host", "192.0.2.1", "--port", "0", "-t", "1"],
