@@ -13,7 +13,6 @@ output matrix, as our draft does.
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hetero_spec import atomic_file
 from hetero_spec.config import DraftConfig
 from hetero_spec.draft.checkpoint import check_compatible, load_draft, read_config
 from hetero_spec.errors import DraftError
@@ -160,10 +160,6 @@ def export_draft(draft: str | Path, target: str | Path, out: str | Path, fmt: st
         return export_eagle3_hf(draft, meta, out)
     with tempfile.TemporaryDirectory(prefix="hetero-spec-eagle3-") as tmp:
         hf = export_eagle3_hf(draft, meta, Path(tmp) / "hf")
-        part = out.with_name(f".{out.name}.part")
-        try:
+        with atomic_file.replacing(out) as part:
             convert_to_gguf(hf, meta.path, meta, part, outtype, model_name=draft.stem)
-            shutil.move(str(part), str(out))
-        finally:
-            part.unlink(missing_ok=True)
     return out

@@ -173,11 +173,14 @@ def _open_manifest(cfg: ExportConfig, target, src: LoadedSource, extractor: str,
 def _flush(cfg: ExportConfig, manifest: Manifest, prog: _Progress) -> None:
     """Write buffered sequences as the next shard, then record the progress (shard first, manifest second)."""
     if prog.sequences:
+        from safetensors import SafetensorError  # what save_file raises for an I/O error, a full disk included
+
         path = cfg.out / shard_name(len(manifest.shards))
         try:
             info = write_shard(path, prog.sequences, metadata={"first_index": str(prog.next_index)})
-        except OSError as exc:  # write_shard has removed its temporary
-            raise ExportError(f"could not write {path.name} ({exc.strerror}); completed shards are valid, "
+        except (OSError, SafetensorError) as exc:  # write_shard has removed its temporary
+            why = getattr(exc, "strerror", None) or str(exc).split(" at path ")[0]
+            raise ExportError(f"could not write {path.name} ({why}); completed shards are valid, "
                               "free some space and rerun the same command to resume") from None
         manifest.shards.append(info)
         prog.sequences = []

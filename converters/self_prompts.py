@@ -138,7 +138,7 @@ def _resume(cfg: PromptConfig, out: Path, state_path: Path) -> dict:
     if len(lines) < state["kept"]:
         raise PromptError(f"{out} holds {len(lines)} prompts but its progress file records {state['kept']}")
     if len(lines) > state["kept"] or (lines and not lines[-1].endswith("\n")):
-        out.write_text("".join(lines[: state["kept"]]))  # a line written just before the progress file: redone
+        atomic_file.write_text(out, "".join(lines[: state["kept"]]))  # a line written just before the progress file: redone
     return state
 
 

@@ -6,12 +6,19 @@ the manifest a killed one left. Each is written to a hidden temporary file besid
 renamed over it, so a reader sees the old file or the new one, never half of one. The temporary name
 holds the process and thread ids, so two writers of the same file never share a temporary; whichever
 renames last wins, and both files were whole.
+
+A writer killed outright (SIGKILL, the OOM killer, a session that ends) leaves its temporary behind, and
+no later run reuses the name; the next write of the same file removes such leftovers (``_remove_stale``),
+so a training run killed every few hours does not pile up checkpoints.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +35,34 @@ def temporary_for(path: str | Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_native_id()}")
 
 
+STALE_S = 600.0  # a leftover untouched this long, of a process not running here, is removed
+_PID = re.compile(r"\.tmp(\d+)-\d+$")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove ``path``'s temporaries whose writer is gone: its process is not running on this machine and the
+    file has not changed for ``STALE_S`` (the age guards a writer on another machine sharing the folder)."""
+    now = time.time()
+    for tmp in path.parent.glob(glob.escape(f".{path.name}.tmp") + "*"):
+        m = _PID.search(tmp.name)
+        try:
+            if m and int(m.group(1)) != os.getpid() and not _running(int(m.group(1))) \
+                    and now - tmp.stat().st_mtime > STALE_S:
+                tmp.unlink()
+        except OSError:  # gone already, or not ours to remove
+            pass
+
+
 @contextmanager
 def replacing(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to write ``path``'s new content to; on a clean exit it is renamed over
@@ -37,6 +72,7 @@ def replacing(path: str | Path) -> Iterator[Path]:
     For writers that take a path (safetensors, ``torch.save``, llama.cpp's quantizer, a copy)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(path)
     tmp = temporary_for(path)
     try:
         yield tmp

@@ -22,13 +22,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .. import atomic_file
 from ..cpu_features import cpu_info
 from ..config import DenoiseConfig
 from .huge_pages import HugePageArena
@@ -91,17 +91,14 @@ def build(march: str | None = None) -> Path | None:
     path = library_path(march)
     if path is None or path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
     # -fno-math-errno: expf may then be vectorized (the p-min softmax over the head's rows)
     cmd = [_compiler(), "-O3", f"-march={march or _march()}", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17",
-           str(SOURCE), "-o", tmp]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
+           str(SOURCE), "-o"]
+    try:
+        with atomic_file.replacing(path) as tmp:
+            subprocess.run([*cmd, str(tmp)], capture_output=True, text=True, check=True)
+    except subprocess.CalledProcessError:
         return None
-    os.replace(tmp, path)
     return path
 
 

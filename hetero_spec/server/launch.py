@@ -15,6 +15,7 @@ from .config import EngineConfig, ServerConfig
 
 log = logging.getLogger("hetero_spec.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+CUT_WAIT_S = 1.0  # after a second Ctrl-C, how long cut requests get to end (a decode round, and their log line)
 
 
 class ListeningServer(uvicorn.Server):
@@ -26,30 +27,6 @@ class ListeningServer(uvicorn.Server):
         self.ready = threading.Event()
         self.port: int | None = None
 
-    def run(self, sockets=None) -> None:
-        uvicorn_log = logging.getLogger("uvicorn.error")
-        uvicorn_log.addFilter(self._quiet_when_forced)
-        try:
-            super().run(sockets)  # the loop's last tasks are cancelled, and logged, inside this call
-        finally:
-            uvicorn_log.removeFilter(self._quiet_when_forced)
-
-    def handle_exit(self, sig: int, frame) -> None:
-        """A second Ctrl-C skips the graceful wait (uvicorn's force exit): said in one line, because the
-        requests it cuts and the lifespan it skips are cancelled, which uvicorn would log as tracebacks."""
-        forced = self.force_exit
-        super().handle_exit(sig, frame)
-        if self.force_exit and not forced:
-            log.info("stopping now: %d connection(s) cut", len(self.server_state.connections))
-
-    def _quiet_when_forced(self, record: logging.LogRecord) -> bool:
-        """After a force exit, drop the cancellations' tracebacks: uvicorn logs a cut request's with
-        ``exc_info``, and starlette hands the lifespan's over as text."""
-        if not self.force_exit:
-            return True
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, asyncio.CancelledError) or record.getMessage().rstrip().endswith("CancelledError"))
-
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         servers = getattr(self, "servers", [])
@@ -58,6 +35,50 @@ class ListeningServer(uvicorn.Server):
             host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
             log.info("listening on http://%s:%d", host, self.port)
             self.ready.set()
+
+    def run(self, sockets=None) -> None:
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(self._quiet_when_stopping)
+        try:
+            super().run(sockets)  # the loop's last tasks are cancelled, and logged, inside this call
+        finally:
+            uvicorn_log.removeFilter(self._quiet_when_stopping)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """A second Ctrl-C stops at once, as uvicorn's force exit, but first closes the connections in flight
+        and gives their handlers up to ``CUT_WAIT_S`` to end: each sees its client leave, cancels its
+        generation and logs its line, and the model is freed in order. Abandoned instead, they would be
+        cancelled as the loop closes (tracebacks), and on Python 3.12+ uvicorn's last wait (``wait_closed``)
+        would wait for them. The work runs on the event loop, not inside the signal handler."""
+        forced = self.force_exit
+        super().handle_exit(sig, frame)
+        if self.force_exit and not forced:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop runs: nothing is being served
+                return
+            self.force_exit = False  # set again by _cut_connections, once the handlers have had their moment
+            loop.call_soon_threadsafe(lambda: setattr(self, "_cutting", loop.create_task(self._cut_connections())))
+
+    async def _cut_connections(self) -> None:
+        connections = list(self.server_state.connections)
+        log.info("stopping now: %d connection(s) cut", len(connections))
+        for conn in connections:
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                transport.close()
+        if self.server_state.tasks:
+            await asyncio.wait(list(self.server_state.tasks), timeout=CUT_WAIT_S)
+        self.force_exit = True
+
+    def _quiet_when_stopping(self, record: logging.LogRecord) -> bool:
+        """While shutting down, drop the tracebacks of the cancellations it causes: a request cut by a second
+        Ctrl-C or by the graceful wait's timeout (uvicorn logs it with ``exc_info``), and the lifespan task
+        (starlette hands its traceback over as text)."""
+        if not self.should_exit:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, asyncio.CancelledError) or record.getMessage().rstrip().endswith("CancelledError"))
 
 
 def configure_logging(level: int = logging.INFO) -> None:

@@ -61,18 +61,23 @@ class AccessMiddleware:
             await send(message)
 
         try:
-            if self._declared_too_large(scope):
-                await error_response(self._too_large())(scope, receive, send_with_id)
-            else:
-                await self.app(scope, self._limited(receive), send_with_id)
-        except Exception:
-            log.exception("request %s: unhandled error", rid)
-            if "status" not in sent:
-                await error_response(internal_error())(scope, receive, send_with_id)
-            else:
-                state["log_status"] = 500
-        finally:
-            await self._settle(state.get("job"))
+            try:
+                if self._declared_too_large(scope):
+                    await error_response(self._too_large())(scope, receive, send_with_id)
+                else:
+                    await self.app(scope, self._limited(receive), send_with_id)
+            except Exception:
+                log.exception("request %s: unhandled error", rid)
+                if "status" not in sent:
+                    await error_response(internal_error())(scope, receive, send_with_id)
+                else:
+                    state["log_status"] = 500
+            finally:
+                await self._settle(state.get("job"))
+        except asyncio.CancelledError:  # the server stopped with the request running (its graceful wait ran out)
+            state["log_status"] = 503
+            self._record(scope, state, 503, time.perf_counter() - t0)
+            raise
         self._record(scope, state, sent.get("status", 500), time.perf_counter() - t0)
 
     def _too_large(self) -> APIError:

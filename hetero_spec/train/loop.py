@@ -236,7 +236,7 @@ def train(
                 **({"init_from": _prior_training(Path(cfg.init_from))} if cfg.init_from else {}),
             }
             save_draft(model, out, extra={TRAINING_KEY: json.dumps(summary)}, dtype=torch.bfloat16)
-            (work / "history.json").write_text(json.dumps(state["history"]))
+            atomic_file.write_text(work / "history.json", json.dumps(state["history"]))
             _plot_history(state["history"], work / "training.png")
     if owns_group:
         runner = None  # DDP and its reducer go before the group they reduce over (_leave_group)

@@ -3,7 +3,11 @@ two processes writing the same file at once (two servers saving step prices)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +79,20 @@ def test_two_processes_writing_one_file_never_show_a_reader_half_a_file(tmp_path
         w.join()
         assert w.exitcode == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prices.json"]
+
+
+def test_a_killed_writers_leftover_goes_at_the_next_write_and_a_live_ones_stays(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    old = time.time() - 2 * atomic_file.STALE_S
+    stale = tmp_path / f".ckpt.pt.tmp{dead.pid}-1"
+    fresh = tmp_path / f".ckpt.pt.tmp{dead.pid}-2"  # a writer on another machine: still being written
+    alive = tmp_path / f".ckpt.pt.tmp{os.getppid()}-3"  # pytest's parent runs
+    other = tmp_path / f".other.pt.tmp{dead.pid}-1"  # another file's: not this write's business
+    for f in (stale, fresh, alive, other):
+        f.write_bytes(b"half")
+    for f in (stale, alive, other):
+        os.utime(f, (old, old))
+    atomic_file.write_bytes(path, b"whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", fresh.name, alive.name, other.name])
