@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from hetero_spec.config import MAX_THREADS
+
 
 def _type_choice() -> click.Choice:
     from hetero_spec.target.quantize import FTYPES
@@ -23,7 +25,7 @@ def _type_choice() -> click.Choice:
 @click.option("--token-embedding-type", help="tensor type of token_embd (e.g. Q4_0); default: llama.cpp's choice")
 @click.option("--output-tensor-type", help="tensor type of the LM head (e.g. Q4_0); default: llama.cpp's choice")
 @click.option("--pure", is_flag=True, help="every tensor gets --type (no higher-precision exceptions)")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = all cores")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="0 = all cores")
 def quantize(src, dst, qtype, token_embedding_type, output_tensor_type, pure, threads) -> None:
     """Quantize the GGUF IN to OUT with llama.cpp's quantizer (re-quantization allowed, with a warning)."""
     from hetero_spec.target.quantize import QuantizeOptions, quantize as run_quantize
@@ -82,7 +84,7 @@ _TEMPLATE_OPTION = click.option(
 @click.option("--max-len", default=2048, show_default=True, type=click.IntRange(64), help="tokens per sequence")
 @click.option("--topk", default=0, show_default=True, type=click.IntRange(0, 64), help="store top-k log-probs")
 @click.option("--layers", callback=_parse_layers, help="also store hidden states after these blocks, e.g. 2,15")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="0 = physical cores")
 @click.option("--shard-mb", default=256, show_default=True, type=click.IntRange(1), help="shard size")
 @click.option("--prefill-batch", default=512, show_default=True, type=click.IntRange(1, 4096),
               help="rows per llama.cpp micro-batch (with q8_0 KV cells any size gives the runtime's features)")
@@ -150,7 +152,7 @@ def merge_features(out_dir, parts) -> None:
 @click.option("--chunk", default=512, show_default=True, type=click.IntRange(1), help="conversations per resume unit")
 @click.option("--shard", "shard", default="0/1", show_default=True, callback=_parse_shard,
               help="this process's part i/N of the selection, into its own OUT_DIR (train reads all parts)")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="0 = physical cores")
 @_TEMPLATE_OPTION
 def generate_corpus(model, out_dir, source, limit, offset, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
                     no_features, chunk, shard, threads, template) -> None:
@@ -176,7 +178,7 @@ def generate_corpus(model, out_dir, source, limit, offset, seed, turns, max_new_
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(4),
               help="a request still going after this many tokens is dropped")
 @click.option("--system", default="", help="a system message before the user turn, to steer the topics")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="0 = physical cores")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="0 = physical cores")
 @_TEMPLATE_OPTION
 def make_prompts(model, out, n, seed, temperature, top_p, max_tokens, system, threads, template) -> None:
     """Sample user prompts from the target itself (Magpie: its template up to a user's first words) into a

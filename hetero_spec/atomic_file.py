@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["replacing", "temporary_for", "write_bytes", "write_text"]
+__all__ = ["replacing", "save_figure", "temporary_for", "write_bytes", "write_text"]
 
 
 def temporary_for(path: str | Path) -> Path:
@@ -93,3 +93,12 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
     with replacing(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """A matplotlib figure written whole, its folder made if missing (a plot is the last thing a long command
+    writes: a missing folder must not fail it after the work); the format from ``path``'s suffix."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".").lower() or "png", **savefig_kwargs)
+    return path

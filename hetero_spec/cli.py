@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 from pathlib import Path
 
 import click
 
-from .config import DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, ConfigError, DenoiseConfig
+from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, ConfigError,
+                     DenoiseConfig)
+from . import atomic_file
 from .errors import HeteroSpecError
 
 DEVICE_HELP = "where the draft runs: auto (CUDA when torch sees it), cpu, cuda or cuda:N"
@@ -35,7 +38,8 @@ def cli() -> None:
 @click.option("--top-k", default=40, show_default=True, type=int, help="sampling: keep the k most likely (<= 0: off)")
 @click.option("--top-p", default=0.95, show_default=True, type=float, help="sampling: nucleus mass (1: off)")
 @click.option("--min-p", default=0.05, show_default=True, type=float, help="sampling: min probability relative to the top")
-@click.option("--seed", default=0, show_default=True, type=int, help="sampling seed (reproducible runs)")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(-1),
+              help="sampling seed (reproducible runs); -1: a fresh one each run, as llama.cpp")
 @click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below (default: 0.1 with auto)")
 @click.option("--no-draft", is_flag=True, help="plain decoding through the same code, for comparison")
 @click.option("--lookup/--no-lookup", default=True, show_default=True,
@@ -45,7 +49,7 @@ def cli() -> None:
                    "earlier outputs instead of prompt lookup  [default: on without a DRAFT, off with one]")
 @click.option("--suffix-cache", type=click.Path(dir_okay=False, path_type=Path),
               help="load earlier outputs for the suffix structure from FILE if it exists, save them there at the end")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
@@ -73,7 +77,8 @@ def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tr
 
     options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else parse_draft_len(draft_len), stop=stop,
                    tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
-                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, seed), lookup=lookup, suffix=suffix)
+                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, secrets.randbits(32) if seed < 0 else seed),
+                   lookup=lookup, suffix=suffix)
 
     def one_line(message, category, filename, lineno, file=None, line=None, show=warnings.showwarning) -> None:
         """The exactness notices as one line each (Python's format adds the calling source line)."""
@@ -143,7 +148,7 @@ def _one_turn(hs, prompt: str, chat: bool, options: dict, stats_json: Path | Non
             [t for t in stream.tokens if not hs.target.is_eog(t)])}]
     click.echo(f"[{stream.stats.summary()}]", err=True)
     if stats_json is not None:
-        stats_json.write_text(json.dumps(stream.stats.to_dict(), indent=2))
+        atomic_file.write_text(stats_json, json.dumps(stream.stats.to_dict(), indent=2))
     if interrupted:
         sys.exit(130)
 
@@ -183,7 +188,7 @@ def _parse_parallel(ctx, param, value) -> int:
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
 @click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below")
 @click.option("--lookup/--no-lookup", default=True, show_default=True, help="with --draft-len auto, prompt-lookup drafts")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="target threads (0 = physical cores)")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
@@ -218,6 +223,10 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
     from .server import EngineConfig, ServerConfig
     from .server import serve as run_server
 
+    if api_key is not None and not api_key.strip():  # `--api-key "$KEY"` with KEY unset: not an open server
+        raise HeteroSpecError("--api-key is empty (an unset variable?): give the key, or leave the option out "
+                              "to serve without one")
+
     engine = EngineConfig(model=model, draft=None if no_draft else draft, n_ctx=ctx, threads=threads,
                           draft_device=draft_device, draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise),
                           kv_type=kv_type, draft_len=0 if no_draft else parse_draft_len(draft_len),
@@ -225,7 +234,7 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
                           draft_p_min=draft_p_min, lookup=lookup,
                           parallel=serve_slots(parallel, tree), cache_ram_mib=cache_ram)
     server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
-                          api_key=api_key or None, max_queue=max_queue, queue_timeout=queue_timeout,
+                          api_key=api_key, max_queue=max_queue, queue_timeout=queue_timeout,
                           max_body_bytes=max_body)
     run_server(engine, server)
 

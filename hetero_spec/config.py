@@ -6,8 +6,13 @@ carries its ``DraftConfig`` as JSON so that loading it needs no other file.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Union
+
+# the most -t a command accepts: threads past the CPUs wait for one, and llama.cpp's spinning workers then
+# stall each other (1,000 threads on 2 CPUs ran a minute without a token)
+MAX_THREADS = os.cpu_count() or 1
 
 
 class ConfigError(ValueError):
@@ -212,8 +217,8 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, not {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test
+            raise ConfigError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top-p must be in (0, 1], not {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:

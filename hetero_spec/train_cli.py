@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from .config import MAX_THREADS
 from .errors import HeteroSpecError
 
 
@@ -63,7 +64,7 @@ def _target_parts(model: Path):
                    "after their last scored token (0 = off; docs/training.md)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True)
-@click.option("--threads", default=0, show_default=True, help="CPU threads (0 = all)")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0, MAX_THREADS), help="CPU threads (0 = all)")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="auto: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX)")
 @click.option("--eval-every", default=0, show_default=True, type=click.IntRange(0),

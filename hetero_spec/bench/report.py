@@ -12,6 +12,7 @@ from pathlib import Path
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from .. import atomic_file
 from .results import ROUND_FIELDS, BenchResult, PromptRecord
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ def plot_speedup(result: BenchResult, path: Path) -> Path:
                  f", {result.meta['max_new_tokens']} tokens", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_file.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -214,7 +215,7 @@ def plot_accepted(result: BenchResult, path: Path) -> Path | None:
     ax.set_ylabel("fraction of rounds")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_file.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -235,6 +236,6 @@ def plot_curve(curve: "CostCurve", path: str | Path) -> Path:
     ax.set_title(f"{curve.model}\nt(1) = {curve.verify_ms[1]:.1f} ms; {curve.machine}", fontsize=7)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_file.save_figure(fig, path, dpi=110)
     plt.close(fig)
     return Path(path)

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     import httpx
 
 from hetero_spec.bench.prompts import shipped_text
+from hetero_spec.config import MAX_THREADS
 
 CLI = [sys.executable, "-m", "hetero_spec"]
 TIMEOUT_S = 600.0
@@ -358,7 +359,7 @@ def _parts(ctx: click.Context, param: click.Parameter, value: str) -> set[str]:
 @click.command("server")
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("draft", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--threads", "-t", default=0, show_default=True, type=click.IntRange(0),
+@click.option("--threads", "-t", default=0, show_default=True, type=click.IntRange(0, MAX_THREADS),
               help="llama.cpp threads of both run and serve (0: their default, every core)")
 @click.option("--ctx", default=4096, show_default=True)
 @click.option("--n-prompts", default=8, show_default=True, help="mt_bench prompts for the overhead part")

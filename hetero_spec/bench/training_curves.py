@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from .. import atomic_file
+
 
 def _evals(path: Path) -> list[dict]:
     """The evaluation records of a trainer's history.json (written beside its checkpoint)."""
@@ -60,6 +62,6 @@ def training_curves(histories: tuple[Path, ...], labels: tuple[str, ...], out: P
     ax[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    atomic_file.save_figure(fig, out, dpi=110)
     plt.close(fig)
     click.echo(f"wrote {out}")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 
+from ..config import MAX_THREADS
 from ..errors import HeteroSpecError
 
 
@@ -42,7 +43,7 @@ from ..errors import HeteroSpecError
               help="tokens per answer turn in the corpus (the recipe's 256)")
 @click.option("--max-conversations", default=0, show_default=True, type=click.IntRange(0),
               help="cap on the corpus (0: what the budget buys)")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0), help="CPU threads (0 = physical cores)")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="CPU threads (0 = physical cores)")
 def make_draft(model, out, hours, device, work_dir, source, max_new_tokens, max_conversations, threads) -> None:
     """Make a trained draft for MODEL in OUT within --hours: self-distilled corpus, training with the
     shipped recipe, a held-out check and a report (OUT.report.json, OUT.report.png).  Resumable: rerun

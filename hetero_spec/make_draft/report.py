@@ -110,7 +110,6 @@ def plot(report: dict, history_path: Path, png: Path) -> None:
                  f"{report['corpus']['conversations']} conversations, {report['hours']} h budget", fontsize=9)
     fig.tight_layout()
     try:
-        with atomic_file.replacing(png) as tmp:
-            fig.savefig(tmp, dpi=110, format="png")  # the temporary's name ends in .tmpPID-TID, not .png
+        atomic_file.save_figure(fig, png, dpi=110)
     finally:
         plt.close(fig)

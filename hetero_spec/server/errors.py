@@ -40,6 +40,11 @@ def internal_error() -> APIError:
     return APIError(500, GENERIC_500, type=SERVER, code="internal_error")
 
 
+def shutting_down() -> APIError:
+    """A request the server stops before answering: queued, running, or cut when the graceful wait ran out."""
+    return APIError(503, "The server is shutting down.", type=SERVER, code="shutting_down")
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 

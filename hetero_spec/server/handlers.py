@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .config import ServerConfig
-from .errors import APIError
+from .errors import APIError, shutting_down
 from .events import Delta, Failed, Finished, Started
 from .queue import Job, QueueClosed, QueueFull, RequestQueue
 from .requests import GenerationFields
@@ -67,7 +67,7 @@ class Gate:
                            type="requests", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.worker.retry_after())}) from None
         except QueueClosed:
-            raise APIError(503, "The server is shutting down.", type="server_error", code="shutting_down") from None
+            raise shutting_down() from None
         request.state.job = job  # the access middleware cancels it when the response ends, however it ends
         return job
 

@@ -7,6 +7,7 @@ final outcome and tokens, and make sure a departed client's generation has stopp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -14,7 +15,7 @@ import uuid
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError, error_response, internal_error
+from .errors import APIError, error_response, internal_error, shutting_down
 from .events import Finished
 from .metrics import Metrics
 from .queue import RequestQueue
@@ -77,6 +78,9 @@ class AccessMiddleware:
         except asyncio.CancelledError:  # the server stopped with the request running (its graceful wait ran out)
             state["log_status"] = 503
             self._record(scope, state, 503, time.perf_counter() - t0)
+            if "status" not in sent:  # an answer in the API's shape, not uvicorn's plain-text 500
+                with contextlib.suppress(Exception):
+                    await error_response(shutting_down())(scope, receive, send_with_id)
             raise
         self._record(scope, state, sent.get("status", 500), time.perf_counter() - t0)
 

@@ -46,15 +46,24 @@ class GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(0.8, ge=0.0, le=2.0)
-    top_p: float = Field(0.95, ge=0.0, le=1.0)
+    temperature: float = Field(0.8, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(0.95, ge=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = 40  # llama.cpp extension; <= 0: off
-    min_p: float = Field(0.05, ge=0.0, lt=1.0)  # llama.cpp extension
+    min_p: float = Field(0.05, ge=0.0, lt=1.0, allow_inf_nan=False)  # llama.cpp extension
     seed: int | None = Field(None, ge=-1)  # None or -1: a fresh seed per request
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None  # chat: a bool; completions: how many
+    top_logprobs: int | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | int | None) -> bool | int | None:
+        if value:  # refused rather than answered with null: a client that asks for them needs them
+            raise ValueError("log probabilities are not returned by this server")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -105,8 +114,8 @@ class CompletionRequest(GenerationFields):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ValueError("only one prompt per request is supported")
-            return prompt[0]
-        if isinstance(prompt, list) and not prompt:
+            prompt = prompt[0]
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             raise ValueError("the prompt is empty")
         return prompt
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Union
 
 from ..config import ConfigError, SamplingConfig
 from ..errors import ContextFull, HeteroSpecError
-from .errors import APIError, internal_error
+from .errors import APIError, internal_error, shutting_down
 from .events import Delta, Failed, Finished, Started
 from .metrics import Metrics
 from .queue import Job, RequestQueue
@@ -84,7 +84,7 @@ class ModelThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         for job in self.queue.close():
-            job.post(Failed(APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")))
+            job.post(Failed(shutting_down()))
         if self._thread.is_alive():
             self._thread.join(timeout)
 

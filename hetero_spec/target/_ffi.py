@@ -36,6 +36,7 @@ _backend_lock = threading.Lock()
 _backend_ready = False
 _log_callback = None  # keep a reference: llama.cpp holds the raw function pointer
 _log_capture = threading.local()  # .lines: list while a model loads on this thread, else absent
+_interrupted = threading.Event()  # Ctrl-C caught inside the log callback (raise_if_interrupted)
 _BUFFER_LINE = re.compile(r"(\S+) model buffer size =\s*([0-9.]+) MiB")
 
 
@@ -54,16 +55,30 @@ def ensure_backend(verbose: bool = False) -> None:
 
         @C.llama_log_callback
         def _log(level, text, user_data):  # noqa: ARG001
-            lines = getattr(_log_capture, "lines", None)
-            if lines is not None and text:
-                lines.append(text.decode("utf-8", errors="replace"))
-            if echo and text:
-                sys.stderr.write(text.decode("utf-8", errors="replace"))
+            try:
+                lines = getattr(_log_capture, "lines", None)
+                if lines is not None and text:
+                    lines.append(text.decode("utf-8", errors="replace"))
+                if echo and text:
+                    sys.stderr.write(text.decode("utf-8", errors="replace"))
+            except KeyboardInterrupt:  # ctypes would print it as ignored and drop it: re-raised after the call
+                _interrupted.set()
 
         _log_callback = _log
         C.llama_log_set(_log_callback, ctypes.c_void_p(0))
         C.llama_backend_init()
         _backend_ready = True
+
+
+def raise_if_interrupted(free=None) -> None:
+    """Re-raise a Ctrl-C that landed in the log callback during the llama.cpp call just made (a model load
+    or a context creation logs a lot), after ``free``ing what that call returned: without this the load
+    went on and the run finished as if no key had been pressed."""
+    if _interrupted.is_set():
+        _interrupted.clear()
+        if free is not None:
+            free()
+        raise KeyboardInterrupt
 
 
 def _weight_buffers(log_lines: list[str]) -> dict[str, float]:
@@ -148,6 +163,7 @@ class ModelHandle:
             self.weight_buffers = _weight_buffers(_log_capture.lines)  # {buffer type: MiB}
         finally:
             del _log_capture.lines
+        raise_if_interrupted(self.close)
         if not self.ptr:
             raise TargetError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
         self.vocab = C.llama_model_get_vocab(self.ptr)
@@ -212,6 +228,7 @@ class ContextHandle:
             params.type_k = params.type_v = kv_type
         params.no_perf = True
         self.ptr = C.llama_init_from_model(model.ptr, params)
+        raise_if_interrupted(self.close)
         if not self.ptr:
             raise TargetError(f"llama.cpp could not create a context of {n_ctx} tokens")
         self.memory = C.llama_get_memory(self.ptr)

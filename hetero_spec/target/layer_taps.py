@@ -27,7 +27,7 @@ import numpy as np
 from ..config import DEFAULT_KV_TYPE
 from ..errors import TargetError
 from . import _ffi
-from ._ffi import C, BatchHandle, ModelHandle
+from ._ffi import C, BatchHandle, ModelHandle, raise_if_interrupted
 
 
 def _libggml() -> ctypes.CDLL:
@@ -98,6 +98,7 @@ class LayerTapTarget:
         params.cb_eval = self._callback
         params.cb_eval_user_data = None
         self._ctx = C.llama_init_from_model(self._model.ptr, params)
+        raise_if_interrupted(self.close)
         if not self._ctx:
             self.close()
             raise TargetError(f"llama.cpp could not create a context of {n_ctx} tokens")

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import atomic_file
 from ..draft.model import DraftModel
 from ..features import iter_sequences
 
@@ -88,5 +89,5 @@ def _plot(top3_share: list[float], png: Path) -> None:
     ax.set(xlabel="share of historical attention on the top-3 tokens", ylabel="queries")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    atomic_file.save_figure(fig, png, dpi=110)
     plt.close(fig)

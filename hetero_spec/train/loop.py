@@ -619,5 +619,5 @@ def _plot_history(history: list[dict], path: Path) -> None:
         ax[2].plot([h["step"] for h in evals], [h["eval"]["accepted_length"] for h in evals], "o-", ms=3)
     ax[2].set(xlabel="step", ylabel="held-out accepted length (teacher-forced)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_file.save_figure(fig, path, dpi=110)
     plt.close(fig)

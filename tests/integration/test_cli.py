@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -105,6 +106,34 @@ def test_bad_options_are_one_line(model_path, random_draft_path, tmp_path):
     (tmp_path / "cache.json").write_text("[1, 2]")
     assert_one_line_error(hetero("run", model_path, "-p", "x", "--suffix-cache", tmp_path / "cache.json"),
                           "not a readable suffix cache")
+
+
+def test_impossible_options_fail_before_anything_loads(model_path):
+    """More threads than CPUs (1,000 on 2 CPUs ran a minute without a token or a word), a NaN or infinite
+    temperature (NaN failed mid-run in the sampler), a seed below -1 (failed in numpy): refused at once."""
+    cases = [(("-t", (os.cpu_count() or 1) + 1), "0<=x<="), (("--temperature", "nan"), "finite number"),
+             (("--temperature", "inf"), "finite number"), (("--seed", "-2"), "x>=-1")]
+    for args, fragment in cases:
+        proc = hetero("run", model_path, "-p", "x", *args, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and fragment in proc.stderr, (args, proc.stderr)
+
+
+def test_seed_minus_one_samples_and_stats_json_makes_its_folder(model_path, tmp_path):
+    """-1 is a fresh seed, as in llama.cpp and the server; --stats-json into a folder that does not exist yet
+    wrote nothing and failed with a traceback after the whole run."""
+    stats = tmp_path / "new" / "folder" / "stats.json"
+    proc = hetero("run", model_path, "-p", PROMPT, "-n", "4", "--temperature", "1", "--seed", "-1",
+                  "--stats-json", stats)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(stats.read_text())["new_tokens"] >= 1
+
+
+def test_the_command_line_answers_without_loading_torch_or_llama_cpp():
+    """``hetero-spec --help`` and a mistyped option need neither: the package's names load on first use, so
+    they answer at once and a Ctrl-C during start-up is one line, not an import traceback."""
+    code = "import sys, hetero_spec.cli; loaded = {'torch', 'llama_cpp'} & set(sys.modules); assert not loaded, loaded"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert hetero("--help", timeout=60).returncode == 0
 
 
 def test_ctrl_c_stops_cleanly_with_partial_stats(model_path, random_draft_path):

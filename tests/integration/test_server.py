@@ -284,6 +284,10 @@ LONG = "word " * 3000
     ("/v1/completions", {"max_tokens": 4}, 400, "missing_required_parameter", "prompt"),
     ("/v1/completions", {"prompt": [1, 10 ** 9]}, 400, None, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, None, None),
+    ("/v1/completions", {"prompt": " ", "max_tokens": 4}, 400, None, "prompt"),
+    ("/v1/chat/completions", chat_body(temperature=float("nan")), 400, None, "temperature"),
+    ("/v1/chat/completions", chat_body(logprobs=True, top_logprobs=5), 400, None, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": 3}, 400, None, "logprobs"),
     ("/v1/embeddings", {"input": "x"}, 404, "not_found", None),
 ])
 def test_bad_input_gets_openai_error(http, path, body, status, code, param):
@@ -499,6 +503,14 @@ def test_second_ctrl_c_stops_at_once_in_one_line_and_exits_zero(model_path):
     # the connection was closed, not left to the graceful wait's timeout: the handler saw its client leave
     assert "timeout graceful shutdown exceeded" not in log, log
     assert re.search(r" POST /v1/completions 499 tokens=\d+\+\d+ stop=cancelled ", log), log
+
+
+def test_an_empty_api_key_is_refused_not_served_open(model_path):
+    """``--api-key "$KEY"`` with KEY unset gave a server that anyone could use, without a word."""
+    proc = subprocess.run([*CLI, "serve", model_path, "--api-key", "", "--port", "0", "-t", "1"], capture_output=True,
+                          text=True, timeout=60)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "--api-key is empty" in lines[0], proc.stderr
 
 
 def test_non_loopback_host_warns_and_an_address_that_cannot_be_bound_fails_before_the_load(model_path):

@@ -149,3 +149,26 @@ def test_verify_against_single_decodes_past_256_cells(model_path, kv_type, threa
         else:
             with pytest.raises(AssertionError):
                 assert_verify_equals_single_decodes(t, prompt, extra)
+
+
+def test_ctrl_c_while_llama_cpp_logs_a_load_reaches_the_caller(model_path, monkeypatch):
+    """A Ctrl-C that lands in llama.cpp's log callback (a load logs hundreds of lines) was printed by ctypes as
+    'Exception ignored' and dropped: the load went on and the run finished. It is raised after the call now."""
+    from hetero_spec.target import _ffi
+
+    class Interrupting:  # the callback's log buffer; appending to it is where the signal lands
+        class Lines(list):
+            def append(self, item):
+                raise KeyboardInterrupt
+
+        lines = property(lambda self: Interrupting.Lines(), lambda self, v: None, lambda self: None)
+
+    _ffi.ensure_backend()
+    monkeypatch.setattr(_ffi, "_log_capture", Interrupting())
+    with pytest.raises(KeyboardInterrupt):
+        _ffi.ModelHandle(model_path)
+    monkeypatch.undo()
+    assert not _ffi._interrupted.is_set()
+    model = _ffi.ModelHandle(model_path)  # the next load is unaffected
+    assert model.ptr and model.weight_buffers
+    model.close()

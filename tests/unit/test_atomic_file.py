@@ -96,3 +96,18 @@ def test_a_killed_writers_leftover_goes_at_the_next_write_and_a_live_ones_stays(
         os.utime(f, (old, old))
     atomic_file.write_bytes(path, b"whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", fresh.name, alive.name, other.name])
+
+
+def test_a_figure_goes_into_a_folder_that_did_not_exist(tmp_path):
+    """A plot is the last thing a long command writes (calibrate --plot): a missing folder failed it after the work."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    path = atomic_file.save_figure(fig, tmp_path / "a" / "curve.png", dpi=50)
+    plt.close(fig)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in path.parent.iterdir()] == ["curve.png"]
