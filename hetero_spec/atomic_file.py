@@ -69,8 +69,16 @@ def replacing(path: str | Path) -> Iterator[Path]:
     ``path`` (atomic on one file system), and on any error, Ctrl-C included, it is removed and ``path``
     is left as it was. The parent folder is created if missing.
 
-    For writers that take a path (safetensors, ``torch.save``, llama.cpp's quantizer, a copy)."""
+    For writers that take a path (safetensors, ``torch.save``, llama.cpp's quantizer, a copy).
+
+    A destination that exists but is not a regular file (``/dev/stdout``, a pipe, ``>(jq .)``) is yielded
+    itself, to be written in place: a rename would replace the device. A symbolic link's target is
+    replaced, and the link kept."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        yield path
+        return
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path)
     tmp = temporary_for(path)
@@ -99,6 +107,8 @@ def save_figure(fig, path: str | Path, **savefig_kwargs) -> Path:
     """A matplotlib figure written whole, its folder made if missing (a plot is the last thing a long command
     writes: a missing folder must not fail it after the work); the format from ``path``'s suffix."""
     path = Path(path)
+    if not path.suffix:  # as matplotlib names it
+        path = path.with_suffix(".png")
     with replacing(path) as tmp:
-        fig.savefig(tmp, format=path.suffix.lstrip(".").lower() or "png", **savefig_kwargs)
+        fig.savefig(tmp, format=path.suffix.lstrip(".").lower(), **savefig_kwargs)
     return path

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -77,7 +78,7 @@ def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tr
 
     options = dict(max_new_tokens=max_tokens, draft_len=0 if no_draft else parse_draft_len(draft_len), stop=stop,
                    tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None, draft_p_min=draft_p_min,
-                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, secrets.randbits(32) if seed < 0 else seed),
+                   sampling=SamplingConfig(temperature, top_k, top_p, min_p, _fresh_seed() if seed < 0 else seed),
                    lookup=lookup, suffix=suffix)
 
     def one_line(message, category, filename, lineno, file=None, line=None, show=warnings.showwarning) -> None:
@@ -105,6 +106,13 @@ def run(model, draft, prompt, chat, max_tokens, draft_len, tree, tree_tokens, tr
             finally:
                 if suffix_cache is not None:
                     hs.suffix_cache.save(suffix_cache)
+
+
+def _fresh_seed() -> int:
+    """``--seed -1``: a new seed each run, said on stderr so that a run worth keeping can be repeated."""
+    seed = secrets.randbits(32)
+    click.echo(f"seed {seed}", err=True)
+    return seed
 
 
 def _run_turns(hs, prompt: str | None, chat: bool, options: dict, stats_json: Path | None, verbose: bool) -> None:
@@ -223,9 +231,11 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
     from .server import EngineConfig, ServerConfig
     from .server import serve as run_server
 
+    if api_key is None and "HETERO_SPEC_API_KEY" in os.environ:  # click reads an empty variable as unset
+        api_key = os.environ["HETERO_SPEC_API_KEY"]
     if api_key is not None and not api_key.strip():  # `--api-key "$KEY"` with KEY unset: not an open server
-        raise HeteroSpecError("--api-key is empty (an unset variable?): give the key, or leave the option out "
-                              "to serve without one")
+        raise HeteroSpecError("--api-key (or HETERO_SPEC_API_KEY) is empty, an unset variable?: give the key, or "
+                              "leave both out to serve without one")
 
     engine = EngineConfig(model=model, draft=None if no_draft else draft, n_ctx=ctx, threads=threads,
                           draft_device=draft_device, draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise),

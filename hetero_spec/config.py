@@ -12,7 +12,7 @@ from typing import Any, Union
 
 # the most -t a command accepts: threads past the CPUs wait for one, and llama.cpp's spinning workers then
 # stall each other (1,000 threads on 2 CPUs ran a minute without a token)
-MAX_THREADS = os.cpu_count() or 1
+MAX_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ConfigError(ValueError):
@@ -219,6 +219,9 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test
             raise ConfigError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, not {self.seed} (the command line's and the server's -1 pick a "
+                              "fresh one)")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top-p must be in (0, 1], not {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:

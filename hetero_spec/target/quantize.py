@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import atomic_file
 from ..errors import TargetError
-from ._ffi import C, check_gguf_header, ensure_backend
+from ._ffi import C, check_gguf_header, ensure_backend, raise_if_interrupted
 
 
 class QuantizeError(TargetError):
@@ -86,6 +86,7 @@ def quantize(src: str | Path, dst: str | Path, options: QuantizeOptions = Quanti
     ensure_backend()
     with atomic_file.replacing(dst) as tmp:
         rc = C.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        raise_if_interrupted()  # a Ctrl-C during its per-tensor log lines; the temporary goes with it
         if rc != 0:
             raise QuantizeError(f"llama.cpp could not quantize {src} to {options.type} (code {rc}; "
                                 "corrupt file or unsupported type)")

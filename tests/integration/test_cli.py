@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,6 +126,7 @@ def test_seed_minus_one_samples_and_stats_json_makes_its_folder(model_path, tmp_
     proc = hetero("run", model_path, "-p", PROMPT, "-n", "4", "--temperature", "1", "--seed", "-1",
                   "--stats-json", stats)
     assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^seed \d+$", proc.stderr, re.M), proc.stderr  # said, so the run can be repeated
     assert json.loads(stats.read_text())["new_tokens"] >= 1
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import signal
 import socket
@@ -510,7 +511,11 @@ def test_an_empty_api_key_is_refused_not_served_open(model_path):
     proc = subprocess.run([*CLI, "serve", model_path, "--api-key", "", "--port", "0", "-t", "1"], capture_output=True,
                           text=True, timeout=60)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and "--api-key is empty" in lines[0], proc.stderr
+    assert proc.returncode == 2 and len(lines) == 1 and "is empty" in lines[0], proc.stderr
+    env = dict(os.environ, HETERO_SPEC_API_KEY="")  # click reads an empty variable as unset
+    proc = subprocess.run([*CLI, "serve", model_path, "--port", "0", "-t", "1"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2 and "HETERO_SPEC_API_KEY) is empty" in proc.stderr, proc.stderr
 
 
 def test_non_loopback_host_warns_and_an_address_that_cannot_be_bound_fails_before_the_load(model_path):

@@ -111,3 +111,21 @@ def test_a_figure_goes_into_a_folder_that_did_not_exist(tmp_path):
     plt.close(fig)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in path.parent.iterdir()] == ["curve.png"]
+
+
+def test_a_device_or_pipe_is_written_in_place_and_a_links_target_replaced(tmp_path):
+    """``--stats-json /dev/stdout`` or ``>(jq .)``: a rename would replace the device (as root) or fail; a
+    symbolic link keeps pointing where it did."""
+    r, w = os.pipe()
+    fifo = f"/proc/self/fd/{w}"
+    atomic_file.write_text(fifo, "through the pipe")
+    os.close(w)
+    with os.fdopen(r) as fh:
+        assert fh.read() == "through the pipe"
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_file.write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
