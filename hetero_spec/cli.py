@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
+from . import atomic_file
 from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, ConfigError,
                      DenoiseConfig)
-from . import atomic_file
 from .errors import HeteroSpecError
 
 DEVICE_HELP = "where the draft runs: auto (CUDA when torch sees it), cpu, cuda or cuda:N"

@@ -6,13 +6,25 @@ carries its ``DraftConfig`` as JSON so that loading it needs no other file.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Union
 
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask): every command's default thread count and the most
+    ``-t`` it accepts (this project's machines have no SMT, so these are physical cores)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 # the most -t a command accepts: threads past the CPUs wait for one, and llama.cpp's spinning workers then
 # stall each other (1,000 threads on 2 CPUs ran a minute without a token)
-MAX_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+MAX_THREADS = usable_cpus()
 
 
 class ConfigError(ValueError):
@@ -217,7 +229,7 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"temperature must be a finite number >= 0, not {self.temperature}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, not {self.seed} (the command line's and the server's -1 pick a "

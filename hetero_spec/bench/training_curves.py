@@ -61,7 +61,6 @@ def training_curves(histories: tuple[Path, ...], labels: tuple[str, ...], out: P
     ax[0].legend(fontsize=8)
     ax[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_file.save_figure(fig, out, dpi=110)
+    atomic_file.save_figure(fig, out, dpi=110)  # makes the folder
     plt.close(fig)
     click.echo(f"wrote {out}")

@@ -76,7 +76,7 @@ class AccessMiddleware:
             finally:
                 await self._settle(state.get("job"))
         except asyncio.CancelledError:  # the server stopped with the request running (its graceful wait ran out)
-            state["log_status"] = 503
+            state["log_status"] = 503  # whatever the handler had set: the server, not the client, ended it
             self._record(scope, state, 503, time.perf_counter() - t0)
             if "status" not in sent:  # an answer in the API's shape, not uvicorn's plain-text 500
                 with contextlib.suppress(Exception):

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint
+from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint, usable_cpus
 from . import _ffi
 from ..errors import ContextFull, TargetError
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
@@ -25,11 +24,8 @@ from .vocabulary import Vocabulary
 
 
 def default_threads() -> int:
-    """Physical cores available to this process (this project's machines have no SMT)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    """llama.cpp threads when none are asked for: every CPU this process may use (``config.usable_cpus``)."""
+    return usable_cpus()
 
 
 # llama.cpp's CPU backend switches to different matmul kernels at 64 rows a micro-batch
