@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from hetero_spec.cli_types import FiniteFloat
 from hetero_spec.config import MAX_THREADS
 
 
@@ -76,7 +77,7 @@ _TEMPLATE_OPTION = click.option(
 @click.option("--shard", "shard", default="0/1", show_default=True, callback=_parse_shard,
               help="this process's part i/N of the selection (outputs of all parts merge)")
 @click.option("--regenerate", is_flag=True, help="replace the first answer with the target's own (self-distillation)")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy")
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0), help="0 = greedy")
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1))
 @click.option("--n-seq", default=8, show_default=True, type=click.IntRange(1, 32),
               help="sequences generated together with --regenerate")
@@ -173,8 +174,8 @@ def generate_corpus(model, out_dir, source, limit, offset, seed, turns, max_new_
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--n", "n", default=2000, show_default=True, type=click.IntRange(1), help="prompts to keep")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--temperature", default=1.0, show_default=True, type=click.FloatRange(0.0, min_open=True))
-@click.option("--top-p", default=0.95, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True))
+@click.option("--temperature", default=1.0, show_default=True, type=FiniteFloat(0.0, min_open=True))
+@click.option("--top-p", default=0.95, show_default=True, type=FiniteFloat(0.0, 1.0, min_open=True))
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(4),
               help="a request still going after this many tokens is dropped")
 @click.option("--system", default="", help="a system message before the user turn, to steer the topics")

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from . import atomic_file
+from .cli_types import FiniteFloat
 from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, ConfigError,
                      DenoiseConfig)
 from .errors import HeteroSpecError
@@ -35,13 +36,13 @@ def cli() -> None:
 @click.option("--tree-tokens", default=12, show_default=True, type=click.IntRange(1, 31), help="drafted nodes per tree")
 @click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth (the maximum with auto)")
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy")
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(0), help="0 = greedy")
 @click.option("--top-k", default=40, show_default=True, type=int, help="sampling: keep the k most likely (<= 0: off)")
-@click.option("--top-p", default=0.95, show_default=True, type=float, help="sampling: nucleus mass (1: off)")
-@click.option("--min-p", default=0.05, show_default=True, type=float, help="sampling: min probability relative to the top")
+@click.option("--top-p", default=0.95, show_default=True, type=FiniteFloat(), help="sampling: nucleus mass (1: off)")
+@click.option("--min-p", default=0.05, show_default=True, type=FiniteFloat(), help="sampling: min probability relative to the top")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(-1),
               help="sampling seed (reproducible runs); -1: a fresh one each run, as llama.cpp")
-@click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below (default: 0.1 with auto)")
+@click.option("--draft-p-min", type=FiniteFloat(), help="stop drafting when the draft's top probability falls below (default: 0.1 with auto)")
 @click.option("--no-draft", is_flag=True, help="plain decoding through the same code, for comparison")
 @click.option("--lookup/--no-lookup", default=True, show_default=True,
               help="with --draft-len auto, also draft by prompt lookup (repeated n-grams) where that pays")
@@ -55,7 +56,7 @@ def cli() -> None:
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
               help="auto: int8 weights on a CPU where int8 is measured accurate, else the fastest float")
-@click.option("--denoise", default=0.0, show_default=True, type=float, help="drop draft keys whose importance gate is below this")
+@click.option("--denoise", default=0.0, show_default=True, type=FiniteFloat(), help="drop draft keys whose importance gate is below this")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
               help="target KV cells: q8_0 keeps greedy output bit-identical to plain decoding at any length; "
                    "f16 (llama.cpp's default) differs past 256 cells with 2+ threads")
@@ -194,14 +195,14 @@ def _parse_parallel(ctx, param, value) -> int:
               help="drafted nodes per tree")
 @click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth")
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
-@click.option("--draft-p-min", type=float, help="stop drafting when the draft's top probability falls below")
+@click.option("--draft-p-min", type=FiniteFloat(), help="stop drafting when the draft's top probability falls below")
 @click.option("--lookup/--no-lookup", default=True, show_default=True, help="with --draft-len auto, prompt-lookup drafts")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
               help="auto: int8 weights on a CPU where int8 is measured accurate, else the fastest float")
-@click.option("--denoise", default=0.0, show_default=True, type=float,
+@click.option("--denoise", default=0.0, show_default=True, type=FiniteFloat(),
               help="drop draft keys whose importance gate is below this")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=DEFAULT_KV_TYPE, show_default=True,
               help="target KV cells")
@@ -211,7 +212,7 @@ def _parse_parallel(ctx, param, value) -> int:
               help="require 'Authorization: Bearer KEY' (env HETERO_SPEC_API_KEY)")
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(0),
               help="waiting requests; more get a 429")
-@click.option("--queue-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--queue-timeout", default=300.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="seconds a request may wait for the model before a 503")
 @click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(1024),
               help="largest request body in bytes (413)")

@@ -14,8 +14,9 @@ from typing import Any, Union
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask): every command's default thread count and the most
-    ``-t`` it accepts (this project's machines have no SMT, so these are physical cores)."""
+    """The logical CPUs this process may run on (its affinity mask): the most ``-t`` a command accepts.  The
+    default thread count is smaller where cores have SMT siblings or a cgroup quota applies
+    (``target.llama_target.default_threads``)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux

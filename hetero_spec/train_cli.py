@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from .cli_types import FiniteFloat
 from .config import MAX_THREADS
 from .errors import HeteroSpecError
 
@@ -41,23 +42,23 @@ def _target_parts(model: Path):
               show_default=True, help="eagle3: EAGLE-3's decoder input (exportable to llama.cpp); needs --taps")
 @click.option("--taps", default="", help="target blocks whose input the draft reads (EAGLE-3 fusion), e.g. 2,15,27; "
                                           "the features must hold them (generate-corpus --taps)")
-@click.option("--hole-prob", default=0.3, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--hole-prob", default=0.3, show_default=True, type=FiniteFloat(0, 1),
               help="share of sequences trained with their prompt hidden, as after the runtime's lazy prefill")
 @click.option("--blocks", type=click.IntRange(1), help="decoder blocks (default from the variant)")
 @click.option("--reduced-vocab", default=8192, show_default=True, type=click.IntRange(0), help="0 = full head")
 @click.option("--epochs", default=4, show_default=True, type=click.IntRange(1))
 @click.option("--max-steps", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--time-budget", default=0.0, show_default=True, help="minutes of training, then save and stop")
+@click.option("--time-budget", default=0.0, show_default=True, type=FiniteFloat(0), help="minutes of training, then save and stop")
 @click.option("--budget-clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
               help="what --time-budget counts: wall time of the steps, or their CPU time per thread (a shared "
                    "machine does not shrink a cpu budget's work)")
-@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0, min_open=True))
 @click.option("--batch-tokens", default=4096, show_default=True)
 @click.option("--grad-accum", default=1, show_default=True)
 @click.option("--unroll", default=3, show_default=True, help="multi-step unrolled training steps (1 = off)")
-@click.option("--chain-sample", default=1.0, show_default=True, type=click.FloatRange(0.01, 1.0),
+@click.option("--chain-sample", default=1.0, show_default=True, type=FiniteFloat(0.01, 1.0),
               help="share of chain starts the unrolled steps continue (cheaper unrolling on a CPU)")
-@click.option("--noise", default=0.05, show_default=True, help="input feature noise (fraction of RMS)")
+@click.option("--noise", default=0.05, show_default=True, type=FiniteFloat(0), help="input feature noise (fraction of RMS)")
 @click.option("--max-len", default=1024, show_default=True)
 @click.option("--loop-keep", default=0, show_default=True, type=click.IntRange(0),
               help="score only this many tokens of each repetition loop in the answers and cut sequences "

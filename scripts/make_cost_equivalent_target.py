@@ -16,6 +16,7 @@ import click
 from tqdm import tqdm
 
 from hetero_spec.bench.cost_equivalent import LABEL, greedy_identity, plan, write_cost_equivalent
+from hetero_spec.cli_types import FiniteFloat
 from hetero_spec.errors import HeteroSpecError
 
 CHECK_PROMPTS = ["Name three primes.", "Write a haiku about autumn.", "What is the capital of France?"]
@@ -24,7 +25,7 @@ CHECK_PROMPTS = ["Name three primes.", "Write a haiku about autumn.", "What is t
 @click.command()
 @click.argument("base", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--scale", required=True, type=click.FloatRange(1.0), help="per-token cost relative to BASE")
+@click.option("--scale", required=True, type=FiniteFloat(1.0), help="per-token cost relative to BASE")
 @click.option("--check-tokens", default=24, show_default=True, type=click.IntRange(0),
               help="greedy tokens compared per prompt (0 = skip the identity check)")
 def main(base: Path, out: Path, scale: float, check_tokens: int) -> None:

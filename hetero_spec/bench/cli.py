@@ -79,7 +79,7 @@ def bench() -> None:
 @click.option("--methods", default="raw,llama-cpp,prompt-lookup,chain", show_default=True,
               help="comma-separated from the registry (raw is always run: it is the baseline); also "
                    "llama-server, llama.cpp-ngram, llama.cpp-draft, llama.cpp-eagle3 (scripts/build_llama_cpp.sh)")
-@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="threads for every method (0 = all cores)")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="threads for every method (0 = physical cores)")
 @click.option("--ctx", default=2048, show_default=True, type=click.IntRange(64), help="context size")
 @click.option("--draft-device", default="cpu", show_default=True)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True)
@@ -153,7 +153,7 @@ def speed(model, draft, datasets, n_prompts, repeats, max_new_tokens, k, methods
 @click.command()
 @click.argument("model", type=_FILE)
 @click.argument("draft", required=False, type=_FILE)
-@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = all cores)")
+@click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
 @click.option("--quick", is_flag=True, help="3 timings per n instead of 9 (what first use does automatically)")
 @click.option("--repeats", type=click.IntRange(1), help="timings per n (overrides --quick)")
 @click.option("--draft-device", default="cpu", show_default=True)

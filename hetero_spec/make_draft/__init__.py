@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 
+from ..cli_types import FiniteFloat
 from ..config import MAX_THREADS
 from ..errors import HeteroSpecError
 
@@ -31,7 +32,7 @@ from ..errors import HeteroSpecError
 @click.command("make-draft")
 @click.argument("model", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--hours", default=1.0, show_default=True, type=float,
+@click.option("--hours", default=1.0, show_default=True, type=FiniteFloat(0, min_open=True),
               help="wall-clock budget for everything: corpus, training, check (split: docs/make_draft.md)")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="where training (and the check's draft) runs: auto = CUDA when torch sees it")
@@ -101,8 +102,6 @@ def run_make_draft(model: Path, out: Path, *, hours: float = 1.0, device: str = 
 
 def _validate(model: Path, out: Path, hours: float, device: str, source: str) -> None:
     """User mistakes, each one line before anything runs."""
-    import math
-
     from converters.datasets import resolve_source
 
     if not model.is_file():
@@ -111,8 +110,6 @@ def _validate(model: Path, out: Path, hours: float, device: str, source: str) ->
         raise HeteroSpecError(f"OUT must end in .safetensors, not {out.name!r}")
     if not out.resolve().parent.is_dir():
         raise HeteroSpecError(f"the folder of OUT does not exist: {out.resolve().parent}")
-    if not (hours > 0 and math.isfinite(hours)):
-        raise HeteroSpecError(f"--hours must be more than 0, not {hours:g}")
     if device == "cuda":
         import torch
 

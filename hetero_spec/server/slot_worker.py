@@ -31,7 +31,7 @@ from .errors import APIError, internal_error
 from .events import Delta, Failed, Finished, Started
 from .metrics import Metrics
 from .queue import Job, RequestQueue
-from .worker import FINISH_REASONS, STREAM_FLUSH_S, ModelThread, Work
+from .worker import FINISH_REASONS, STREAM_FLUSH_S, ModelThread, Work, warn_if_no_chat_fits
 
 log = logging.getLogger("hetero_spec.server")
 LOOKUP_DEPTH = 16  # longest copy-draft chain a slot verifies in a step (long ones only behind long matches)
@@ -86,6 +86,7 @@ class SlotWorker(ModelThread):
         drafting = self.drafting if model.drafts is not None else replace(self.drafting, draft_depth=0)
         self.engine = Engine(model.target, max_waiting=self.n_slots, drafting=drafting, draft=model.drafts,
                              prompt_cache=model.prompt_cache)
+        warn_if_no_chat_fits(model.target)
         if drafting.lookup_depth > 0 or drafting.draft_depth > 0:  # prices a step's draft rows before the first request
             engine = self.engine
             engine.calibrate(cached=True)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union
 
+from ..chat_template import TemplateRenderError, render_chat
 from ..config import ConfigError, SamplingConfig
 from ..errors import ContextFull, HeteroSpecError
 from .errors import APIError, internal_error, shutting_down
@@ -47,6 +48,24 @@ class Work:
     stop: tuple[str, ...]
     sampling: SamplingConfig
     stream: bool
+
+
+def warn_if_no_chat_fits(target: Any) -> None:
+    """Log a warning when ``--ctx`` is shorter than the chat template around a one-word message.
+
+    WHY: such a server starts and answers ``/health``, and then every chat request fails its context check
+    with a 400; the one place a user looks for the reason is the start-up log.
+    """
+    try:
+        text = render_chat(target.chat_template, [{"role": "user", "content": "Hi"}],
+                           bos_token=target.bos_token, eos_token=target.eos_token)
+    except TemplateRenderError:  # no template: chat requests get their own clear error
+        return
+    needed = len(target.tokenize(text, add_special=False, parse_special=True)) + 1  # and one token of answer
+    if needed > target.n_ctx:
+        log.warning("--ctx %d is too short for any chat: the chat template around a one-word message takes %d "
+                    "tokens, so every chat request will be refused (text completions still fit)",
+                    target.n_ctx, needed - 1)
 
 
 class LoadFailed(HeteroSpecError):
@@ -136,6 +155,7 @@ class Worker(ModelThread):
 
     def _opened(self, model: Any) -> None:
         self.hs = model
+        warn_if_no_chat_fits(model.target)
 
     def retry_after(self) -> int:
         """Seconds until what waits now has likely been served (whole seconds, as Retry-After wants),

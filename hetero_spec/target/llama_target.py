@@ -24,8 +24,17 @@ from .vocabulary import Vocabulary
 
 
 def default_threads() -> int:
-    """llama.cpp threads when none are asked for: every CPU this process may use (``config.usable_cpus``)."""
-    return usable_cpus()
+    """llama.cpp threads when none are asked for: the physical cores this process may use, as llama.cpp's own
+    default is.
+
+    WHY not every logical CPU: a decode is bound by memory bandwidth, so a core's SMT sibling adds no bandwidth
+    and its thread, spinning at each barrier, delays the others (a laptop's 8 cores and 16 threads); and a
+    container's CPU quota (``docker --cpus 2`` on a 64-core host) throttles 64 spinning threads to 2 CPUs'
+    time.  joblib's count reads the affinity mask, the cgroup quota (v1 and v2) and the core topology.
+    """
+    import joblib
+
+    return max(1, min(usable_cpus(), joblib.cpu_count(only_physical_cores=True)))
 
 
 # llama.cpp's CPU backend switches to different matmul kernels at 64 rows a micro-batch

@@ -119,6 +119,26 @@ def test_impossible_options_fail_before_anything_loads(model_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and fragment in proc.stderr, (args, proc.stderr)
 
 
+def test_non_finite_numbers_are_refused_by_every_command(model_path, tmp_path):
+    """click's float ranges let nan through (nan < 0 is false): ``train --lr nan`` trained the whole budget into a
+    draft of NaNs, ``serve --queue-timeout inf`` never answered a queued request with its 503."""
+    feats = tmp_path / "features"
+    feats.mkdir()
+    train = ("train", feats, "--target", model_path, "--out", tmp_path / "d.safetensors")
+    cases = [(*train, "--lr"), (*train, "--noise"), (*train, "--time-budget"),
+             ("export-features", model_path, tmp_path / "f", "--temperature"),
+             ("make-prompts", model_path, tmp_path / "p.jsonl", "--top-p"),
+             ("serve", model_path, "--queue-timeout"), ("run", model_path, "-p", "x", "--top-p")]
+    for *args, option in cases:
+        for value in ("nan", "inf"):
+            proc = hetero(*args, option, value, timeout=60)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, option, proc.stderr)
+            said = re.search(rf"Invalid value for '{option}': '?{value}'? is not (a finite number|in the range)",
+                             proc.stderr)
+            assert said and (value == "inf" or said.group(1) == "a finite number"), proc.stderr
+    assert not (tmp_path / "d.safetensors").exists() and not (tmp_path / "f").exists()
+
+
 def test_seed_minus_one_samples_and_stats_json_makes_its_folder(model_path, tmp_path):
     """-1 is a fresh seed, as in llama.cpp and the server; --stats-json into a folder that does not exist yet
     wrote nothing and failed with a traceback after the whole run."""

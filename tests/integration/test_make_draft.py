@@ -117,7 +117,6 @@ def test_user_mistakes_are_one_line_and_a_non_zero_exit(tiny_model, tmp_path):
     cases = {
         "model not found": [str(tmp_path / "missing.gguf"), str(tmp_path / "d.safetensors"), "--hours", "0.01"],
         "the folder of OUT does not exist": [str(tiny_model), str(tmp_path / "no" / "d.safetensors")],
-        "--hours must be more than 0": [str(tiny_model), str(tmp_path / "d.safetensors"), "--hours", "0"],
         "OUT must end in .safetensors": [str(tiny_model), str(tmp_path / "d.bin")],
     }
     procs = {msg: subprocess.Popen([*CLI, "make-draft", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -126,4 +125,9 @@ def test_user_mistakes_are_one_line_and_a_non_zero_exit(tiny_model, tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode != 0 and "Traceback" not in err, err[-1000:]
         assert len(err.strip().splitlines()) == 1 and msg in err, err
+    for hours, msg in [("0", "is not in the range x>0"), ("nan", "is not a finite number"),
+                       ("inf", "is not a finite number")]:  # click's usage error, before anything loads
+        proc = subprocess.run([*CLI, "make-draft", str(tiny_model), str(tmp_path / "d.safetensors"), "--hours", hours],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr and msg in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("*.work"))  # nothing started

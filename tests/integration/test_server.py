@@ -470,6 +470,28 @@ def test_model_that_cannot_load_is_one_line_and_a_nonzero_exit(tmp_path):
     assert "Traceback" not in proc.stderr and "listening on" not in proc.stderr
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_context_too_short_for_any_chat_is_said_at_start(model_path, slots):
+    """``--ctx 16`` started a server on which every chat request failed, with nothing said at start; the
+    warning names the template's length, and text completions still work."""
+    srv = ServerProcess(model_path, "--no-draft", "--no-lookup", "--parallel", slots, "-t", 1, "--ctx", 16)
+    try:
+        warning = srv.wait_for_line(lambda ln: "WARNING" in ln and "--ctx 16 is too short for any chat" in ln, 5)
+        needed = int(re.search(r"takes (\d+) tokens", warning).group(1))
+        with httpx.Client(base_url=srv.url, timeout=CALL_S) as c:
+            refused = c.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1))
+            assert f"{needed} " in assert_error(refused, 400, "context_length_exceeded")["message"]  # its length
+            text = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+            assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] >= 1, text.text
+    finally:
+        assert srv.stop() == 0
+    roomy = ServerProcess(model_path, "--no-draft", "--no-lookup", "--parallel", slots, "-t", 1, "--ctx", needed + 1)
+    try:
+        assert not [ln for ln in roomy.lines if "too short for any chat" in ln]
+    finally:
+        assert roomy.stop() == 0
+
+
 def test_second_ctrl_c_stops_at_once_in_one_line_and_exits_zero(model_path):
     """The first Ctrl-C waits for the request in flight; a second one cuts it at once, as uvicorn does, and
     says so in one line: the cut request gets its log line, and no cancellation's traceback is printed."""
