@@ -35,6 +35,15 @@ from .losses import LossWeights, gate_regularization, step_loss
 from .stop import StopRequest
 from .unroll import unrolled_forward
 
+# Steps in a row whose gradients are not finite before training stops as diverged.  One such step (a bf16
+# overflow, one odd batch) is skipped as PyTorch's GradScaler skips it, leaving weights and optimizer state
+# untouched; a run of them means the weights themselves went bad, and saving them would write a useless draft.
+MAX_NONFINITE_STEPS = 8
+
+
+class TrainingDiverged(HeteroSpecError):
+    """The loss's gradients stayed NaN or infinite: nothing is written to OUT."""
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -164,6 +173,7 @@ def train(
     held_targets: dict[int, torch.Tensor] = {}  # the target's argmax per held-out batch (evaluate)
     bar = tqdm(total=total, initial=state["step"], disable=not progress or rank != 0, unit="step", dynamic_ncols=True)
     done = state["step"] >= total
+    bad_run = 0  # steps in a row skipped for gradients that were not finite
     # Ctrl-C / SIGTERM: finish the step, save, export (under DDP every rank stops at the same step: _agree)
     with StopRequest() as stop:
         while not done:
@@ -181,18 +191,31 @@ def train(
                     agg["loss"] += loss.item() / cfg.grad_accum
                     agg["correct"] += correct
                     agg["count"] += count
-                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                # identical on every rank under DDP (the gradients are all-reduced), so all ranks skip together
+                finite = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, cfg.clip)))
                 lr = cfg.lr * lr_at(state["step"], _spent(state, cfg))
                 for group in opt.param_groups:
                     group["lr"] = lr
-                opt.step()
+                if finite:
+                    opt.step()
+                    bad_run = 0
+                else:
+                    bad_run += 1
+                    state["skipped_steps"] = state.get("skipped_steps", 0) + 1
+                    if bad_run >= MAX_NONFINITE_STEPS:
+                        bar.close()
+                        raise TrainingDiverged(
+                            f"training diverged at step {state['step'] + 1}: the gradients were not finite for "
+                            f"{bad_run} steps in a row (learning rate {cfg.lr:g}); nothing was written to {out} "
+                            "(lower --lr and start again)")
                 state["step"] += 1
                 state["batch_in_epoch"] = bi + cfg.grad_accum
                 state["train_s"] += time.perf_counter() - t0
                 # CPU seconds of the steps: on a shared machine the wall clock overstates the work
                 _add_step_cpu(state, time.process_time() - c0, torch.get_num_threads())
                 acc = agg["correct"] / max(1, agg["count"])
-                state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts})
+                state["history"].append({"step": state["step"], "loss": agg["loss"], "acc": acc, **parts} if finite
+                                        else {"step": state["step"], "skipped": "gradients not finite"})
                 if cfg.time_budget_s:  # the bar's total (and ETA) is what the budget buys at this pace
                     bar.total = min(total, max(state["step"], round(state["step"] * cfg.time_budget_s
                                                                     / max(1e-9, _spent(state, cfg)))))

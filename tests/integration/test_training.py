@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from safetensors import safe_open
 from hetero_spec.bench.prompts import bench_prompts
 from hetero_spec.draft.checkpoint import load_draft
 from hetero_spec.errors import HeteroSpecError
-from hetero_spec.train.loop import TrainConfig, train
+from hetero_spec.train.loop import MAX_NONFINITE_STEPS, TrainConfig, TrainingDiverged, train
 from hetero_spec.train_cli import _target_parts
 from tests.feature_builder import build_features
 
@@ -71,6 +72,21 @@ def test_tiny_training_lowers_the_loss_and_saves_a_loadable_draft(features, part
     with safe_open(str(latest), "pt") as fh:
         assert json.loads(fh.metadata()["hetero_spec.training"]) == {"partial": True, "steps": 40}
     assert load_draft(latest, parts[0]).cfg == draft.cfg
+
+
+def test_a_diverging_run_stops_with_one_line_and_writes_no_draft(features, parts, tmp_path):
+    """A learning rate that blows the weights up makes the loss NaN from then on: the NaN steps are skipped
+    (weights and optimizer untouched), and a run of them stops training instead of saving a draft of NaNs."""
+    out = tmp_path / "d.safetensors"
+    with pytest.raises(TrainingDiverged, match=rf"not finite for {MAX_NONFINITE_STEPS} steps in a row") as err:
+        run(replace(BASE, max_steps=40, lr=1e30, warmup_steps=0), features, out, parts)
+    assert "\n" not in str(err.value) and not out.exists()
+    step = int(re.search(r"diverged at step (\d+)", str(err.value)).group(1))
+    state = torch.load(tmp_path / "d.train" / "checkpoint.pt", map_location="cpu", weights_only=False)["state"]
+    steps = [h for h in state["history"] if "eval" not in h]  # the last checkpoint's: a few skipped steps
+    first = next(h["step"] for h in steps if h.get("skipped"))
+    assert all(h.get("skipped") for h in steps if h["step"] >= first) and "loss" in steps[0]
+    assert step == first + MAX_NONFINITE_STEPS - 1  # one run of skipped steps, from the first to the stop
 
 
 def test_resume_continues_from_the_checkpoint(features, parts, tmp_path):
