@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "HeteroSpec", "Completion", "TextStream", "BatchGenerator", "BatchCompletion", "DenoiseConfig", "DraftConfig", "SpecConfig",
-    "HeteroSpecError", "TargetError", "ContextFull", "DraftError", "Round", "RunStats",
+    "SamplingConfig", "TreeSpec", "HeteroSpecError", "ConfigError", "TargetError", "ContextFull", "DraftError", "Round",
+    "RunStats",
 ]
 _WHERE = {name: module for module, names in {
     ".api": ("HeteroSpec", "Completion", "TextStream"),
     ".batch": ("BatchGenerator", "BatchCompletion"),
-    ".config": ("DenoiseConfig", "DraftConfig", "SpecConfig"),
+    ".config": ("DenoiseConfig", "DraftConfig", "SpecConfig", "SamplingConfig", "TreeSpec", "ConfigError"),
     ".errors": ("HeteroSpecError", "TargetError", "ContextFull", "DraftError"),
     ".records": ("Round", "RunStats"),
 }.items() for name in names}
@@ -27,7 +28,7 @@ _WHERE = {name: module for module, names in {
 if TYPE_CHECKING:
     from .api import Completion, HeteroSpec, TextStream
     from .batch import BatchCompletion, BatchGenerator
-    from .config import DenoiseConfig, DraftConfig, SpecConfig
+    from .config import ConfigError, DenoiseConfig, DraftConfig, SamplingConfig, SpecConfig, TreeSpec
     from .errors import ContextFull, DraftError, HeteroSpecError, TargetError
     from .records import Round, RunStats
 

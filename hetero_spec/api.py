@@ -9,15 +9,19 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from .chat_template import render_chat
-from .config import DEFAULT_KV_TYPE, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec
+from .config import (DEFAULT_KV_TYPE, MIN_CTX, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec, check_threads,
+                     parse_draft_len)
 from .errors import ContextFull, HeteroSpecError
+from .inputs import check_messages, check_type, count, stop_strings, token_ids
 from .records import RunStats
 from .spec.orchestrator import generate_tokens
 from .spec.policy import AutoPolicy, FixedPolicy, Shape
@@ -91,6 +95,16 @@ class HeteroSpec:
         its nearest invariant requantization instead (``target.invariance.exact_requantization``, made once
         and cached).  ``exact_rows``: trust this bound instead of checking the file (None: checked at load,
         cached per file and machine); no verification ever holds more rows than the bound."""
+        # One call at a time on an open model: llama.cpp's context is not thread-safe (two threads in one decode
+        # abort the process) and ``close`` frees it.  A stream holds the model between its pieces only, so the
+        # newest call owns the conversation state: an older stream still open is closed by it (``_turn``).
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stream: Iterator[str] | None = None  # the open stream's pieces, if one is open
+        n_ctx, threads = count("n_ctx", n_ctx, MIN_CTX), check_threads(threads)
+        check_type("denoise", denoise, DenoiseConfig)
+        if exact_rows is not None:
+            exact_rows = count("exact_rows", exact_rows)
         options = TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None, kv_type=kv_type,
                                 taps=draft_taps(draft))
         self.target = LlamaTarget(target, options)
@@ -179,13 +193,43 @@ class HeteroSpec:
                           stacklevel=4)
 
     def close(self) -> None:
-        self.target.close()
+        """Free the model (waiting for a call in progress on another thread to finish its round)."""
+        with self._lock:
+            if self._stream is not None:  # its generation ends while the model is still there
+                self._stream.close()  # type: ignore[attr-defined]
+                self._stream = None
+            self._closed = True
+            self.target.close()
+
+    @contextmanager
+    def _turn(self, stream: Iterator[str] | None = None) -> Iterator[None]:
+        """Hold the model for one call, or for one piece of ``stream``: refused once closed, or while another
+        thread holds it.  A new call first closes an open stream it did not come from (stop reason
+        ``interrupted``); that stream's iterator then raises, where it decoded from a moved conversation."""
+        if self._closed:
+            raise HeteroSpecError("this HeteroSpec is closed: it was used after close() or outside its with block")
+        if not self._lock.acquire(blocking=False):
+            raise HeteroSpecError("this HeteroSpec is in a call on another thread: one HeteroSpec serves one caller "
+                                  "at a time (BatchGenerator and `hetero-spec serve` serve many at once)")
+        try:
+            if self._closed:  # closed while this thread waited for the lock
+                raise HeteroSpecError("this HeteroSpec is closed")
+            if stream is not None and stream is not self._stream:
+                raise HeteroSpecError("this stream was closed by a later call on the same HeteroSpec: read a stream "
+                                      "to its end, or close it, before the next call")
+            if stream is None and self._stream is not None:
+                superseded, self._stream = self._stream, None
+                superseded.close()  # type: ignore[attr-defined]
+            yield
+        finally:
+            self._lock.release()
 
     def reset(self) -> None:
         """Forget the cached conversation (both KV caches); the next call prefills from scratch."""
-        self.target.reset()
-        if self.draft is not None:
-            self.draft.reset()
+        with self._turn():
+            self.target.reset()
+            if self.draft is not None:
+                self.draft.reset()
 
     def __enter__(self) -> "HeteroSpec":
         return self
@@ -195,13 +239,13 @@ class HeteroSpec:
 
     # ------------------------------------------------------------------ requests
     def render(self, messages: list[dict[str, str]]) -> str:
-        t = self.target
-        return render_chat(t.chat_template, messages, bos_token=t.bos_token, eos_token=t.eos_token)
+        with self._turn():
+            t = self.target
+            return render_chat(t.chat_template, check_messages(messages), bos_token=t.bos_token,
+                               eos_token=t.eos_token)
 
     def chat(self, messages: list[dict[str, str]], *, stream: bool = False, **options) -> Completion | TextStream:
         """Apply the GGUF's chat template, then ``generate`` (special tokens in the template are parsed)."""
-        if not messages or not str(messages[-1].get("content", "")).strip():
-            raise HeteroSpecError("empty prompt")
         return self.generate(self.render(messages), stream=stream, _templated=True, **options)
 
     def generate(
@@ -237,24 +281,50 @@ class HeteroSpec:
         tail), so a server whose client left frees the model within one round.  ``draft_model`` False: with
         ``"auto"``, the loaded draft model is left out and only the copy sources draft (lookup-only).
         """
+        draft_len = parse_draft_len(draft_len)
         if not draft_model and draft_len != "auto":
             raise HeteroSpecError("leaving the draft model out (draft_model=False) needs draft_len 'auto'")
+        check_type("sampling", sampling, SamplingConfig)
+        check_type("tree", tree, TreeSpec)
+        check_type("suffix_cache", suffix_cache, SuffixCache)
         suffix = self.draft is None if suffix is None else suffix
         copies = draft_len == "auto" and (suffix or lookup)  # sources that need no draft model
         model = self.draft is not None and draft_model
-        cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if model or copies else 0, stop=tuple(stop),
-                         sampling=sampling or SamplingConfig(), tree=tree, draft_p_min=draft_p_min, lookup=lookup,
-                         draft_model=draft_model)
-        cfg = self._clamp(cfg)
-        tokens = self._prompt_tokens(prompt, _templated)
-        stats = RunStats(prompt_tokens=len(tokens), kernels=self.target.kernels)
-        ts = TextStream(iter(()), stats)
-        cache = suffix_cache if suffix_cache is not None else self.suffix_cache
-        ts._pieces = self._run(tokens, cfg, ts, cancel, cache if suffix else None)
-        if stream:
-            return ts
-        text = "".join(ts)
-        return Completion(text, ts.tokens, stats)
+        with self._turn():
+            cfg = SpecConfig(max_new_tokens=max_new_tokens, draft_len=draft_len if model or copies else 0,
+                             stop=stop_strings(stop), sampling=sampling or SamplingConfig(), tree=tree,
+                             draft_p_min=draft_p_min, lookup=lookup, draft_model=draft_model)
+            cfg = self._clamp(cfg)
+            tokens = self._prompt_tokens(prompt, _templated)
+            stats = RunStats(prompt_tokens=len(tokens), kernels=self.target.kernels)
+            ts = TextStream(iter(()), stats)
+            cache = suffix_cache if suffix_cache is not None else self.suffix_cache
+            pieces = self._run(tokens, cfg, ts, cancel, cache if suffix else None)
+            if not stream:
+                text = "".join(pieces)
+                return Completion(text, ts.tokens, stats)
+            self._stream = pieces
+        ts._pieces = self._pieces(pieces)
+        return ts
+
+    def _pieces(self, pieces: Iterator[str]) -> Iterator[str]:
+        """A stream's pieces, each produced while holding the model (``_turn``)."""
+        try:
+            while True:
+                with self._turn(pieces):
+                    piece = next(pieces, None)
+                    if piece is None:
+                        self._stream = None
+                        return
+                yield piece
+        finally:  # closed or dropped by its reader: its generation ends now, on this thread, if it still holds
+            if self._stream is pieces and self._lock.acquire(blocking=False):
+                try:
+                    self._stream = None
+                    if not self._closed:
+                        pieces.close()  # type: ignore[attr-defined]
+                finally:
+                    self._lock.release()
 
     def _draft_for(self, cfg: SpecConfig):
         """The draft model a generation with ``cfg`` uses: the loaded one unless ``cfg`` leaves it out (None)."""
@@ -279,7 +349,7 @@ class HeteroSpec:
             from .draft.checkpoint import read_held_out_acceptance
 
             prior = read_held_out_acceptance(self.draft_path) if model and self.draft_path is not None else ()
-            self._auto[key] = AutoPolicy(self.cost_curve(), width=key[0], total=key[1], max_depth=key[2],
+            self._auto[key] = AutoPolicy(self._cost_curve(), width=key[0], total=key[1], max_depth=key[2],
                                          lookup_depth=key[3], suffix_depth=key[4], prior_alphas=prior,
                                          suffix_nodes=min(self.suffix_cache.config.max_nodes, max(1, cap)))
         return self._auto[key]
@@ -289,6 +359,10 @@ class HeteroSpec:
 
         Measuring resets the conversation cache; it happens once per machine, model and draft
         file (``hetero_spec.calibration`` caches the JSON)."""
+        with self._turn():
+            return self._cost_curve()
+
+    def _cost_curve(self):
         if self._curve is None:
             from .calibration import cache_path, load_or_measure, measure, save
 
@@ -316,7 +390,7 @@ class HeteroSpec:
             # A templated prompt already carries BOS where the template wants it.
             tokens = self.target.tokenize(prompt, add_special=not templated, parse_special=True)
         else:
-            tokens = [int(t) for t in prompt]
+            tokens = token_ids(prompt, self.target.n_vocab)
         if not tokens:
             raise HeteroSpecError("empty prompt")
         if len(tokens) >= self.target.n_ctx:

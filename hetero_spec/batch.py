@@ -19,10 +19,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .chat_template import render_chat
-from .config import DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, SamplingConfig
+from .config import DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, MIN_CTX, SamplingConfig, check_threads
 from .engine import Drafting, Engine, Request
 from .engine.prompt_cache import PromptCache
 from .errors import HeteroSpecError
+from .inputs import check_messages, count, token_ids
 from .target.invariance import exact_micro_batch
 from .target.llama_target import BATCH_INVARIANT_ROWS
 from .target.sequences import SequenceOptions
@@ -60,6 +61,7 @@ class BatchGenerator:
         0: off)."""
         from .engine.drafts import open_slots
 
+        slots, n_ctx, threads = count("slots", slots), count("n_ctx", n_ctx, MIN_CTX), check_threads(threads)
         for path in (model, draft):
             if path is not None and not Path(path).is_file():
                 raise HeteroSpecError(f"no such file: {path}")
@@ -90,28 +92,39 @@ class BatchGenerator:
     def chat(self, conversations: list[list[dict[str, str]]], **options) -> list[BatchCompletion]:
         """Each conversation through the GGUF's chat template, answered as ``generate`` does."""
         t = self.target
-        ids = [t.tokenize(render_chat(t.chat_template, msgs, bos_token=t.bos_token, eos_token=t.eos_token),
-                          add_special=False, parse_special=True) for msgs in conversations]
-        return self.generate(ids, **options)
+        if not isinstance(conversations, list):
+            raise HeteroSpecError(f"conversations must be a list of conversations, not {type(conversations).__name__}")
+        texts = [render_chat(t.chat_template, check_messages(msgs, f"conversations[{i}]"), bos_token=t.bos_token,
+                             eos_token=t.eos_token) for i, msgs in enumerate(conversations)]
+        return self.generate([t.tokenize(text, add_special=False, parse_special=True) for text in texts], **options)
 
     def generate(self, prompts: list[str] | list[list[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
                  seed: int = 0, progress: bool = True) -> list[BatchCompletion]:
         """Answers in prompt order; text prompts get a BOS, token-id prompts go in as given.  Prompts enter the
-        slots as they free up, oldest first; a progress bar counts finished prompts."""
+        slots as they free up, oldest first; a progress bar counts finished prompts.  Every prompt is checked
+        before any is decoded; after an error or a Ctrl-C mid-job the generator is ready for the next call."""
         t = self.target
-        ids = [t.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str) else list(p) for p in prompts]
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise HeteroSpecError(f"prompts must be a list of prompts (for one, [prompt]), not {type(prompts).__name__}")
+        ids = [t.tokenize(p, add_special=True, parse_special=True) if isinstance(p, str)
+               else token_ids(p, t.n_vocab, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(ids):
             if not p or len(p) >= t.seq_ctx:
                 raise HeteroSpecError(f"prompt {i} has {len(p)} tokens; a slot holds 1..{t.seq_ctx - 1}")
+        max_new_tokens = count("max_new_tokens", max_new_tokens)
         sampling = SamplingConfig(temperature=temperature, seed=seed)
         requests = [Request(p, max_new_tokens, sampling=sampling, tag=i) for i, p in enumerate(ids)]
         pending = list(reversed(requests))
-        sch = self.engine.scheduler
-        with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=not progress) as bar:
-            while pending or not self.engine.idle:
-                while pending and len(sch.waiting) < sch.max_waiting:
-                    self.engine.submit(pending.pop())
-                _, finished = self.engine.step()
-                bar.update(len(finished))
+        try:
+            with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=not progress) as bar:
+                while pending or not self.engine.idle:
+                    sch = self.engine.scheduler
+                    while pending and len(sch.waiting) < sch.max_waiting:
+                        self.engine.submit(pending.pop())
+                    _, finished = self.engine.step()
+                    bar.update(len(finished))
+        except BaseException:
+            self.engine.abandon()
+            raise
         return [BatchCompletion(t.detokenize([x for x in r.out if not t.is_eog(x)]), r.out, r.stop_reason or "",
                                 r.drafted, r.accepted) for r in requests]

@@ -11,7 +11,7 @@ import click
 
 from . import atomic_file
 from .cli_types import FiniteFloat
-from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, ConfigError,
+from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, MIN_CTX, ConfigError,
                      DenoiseConfig)
 from .errors import HeteroSpecError
 
@@ -52,7 +52,7 @@ def cli() -> None:
 @click.option("--suffix-cache", type=click.Path(dir_okay=False, path_type=Path),
               help="load earlier outputs for the suffix structure from FILE if it exists, save them there at the end")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
-@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
+@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(MIN_CTX), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
               help="auto: int8 weights on a CPU where int8 is measured accurate, else the fastest float")
@@ -198,7 +198,7 @@ def _parse_parallel(ctx, param, value) -> int:
 @click.option("--draft-p-min", type=FiniteFloat(), help="stop drafting when the draft's top probability falls below")
 @click.option("--lookup/--no-lookup", default=True, show_default=True, help="with --draft-len auto, prompt-lookup drafts")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
-@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(16), help="context size in tokens")
+@click.option("--ctx", default=4096, show_default=True, type=click.IntRange(MIN_CTX), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
 @click.option("--draft-dtype", type=click.Choice(DRAFT_DTYPES), default="auto", show_default=True,
               help="auto: int8 weights on a CPU where int8 is measured accurate, else the fastest float")

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Union
+
+from .errors import HeteroSpecError
 
 
 
@@ -28,8 +31,25 @@ def usable_cpus() -> int:
 MAX_THREADS = usable_cpus()
 
 
-class ConfigError(ValueError):
-    """A configuration value a user supplied is invalid (rendered as a one-line error)."""
+MIN_CTX = 16  # the smallest context the API and every --ctx take
+
+
+def _whole(value: Any) -> bool:
+    """An integer and not a bool (numpy integers count): 2.5 tokens is a mistake, not 2."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_threads(threads: Any) -> int:
+    """llama.cpp threads as the API takes them: 0 (the default count) up to ``MAX_THREADS``, as ``-t`` is."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
+        raise ConfigError(f"threads must be a whole number from 0 (the default) to {MAX_THREADS}, the CPUs this "
+                          f"process may use, not {threads!r}")
+    return threads
+
+
+class ConfigError(HeteroSpecError, ValueError):
+    """A configuration value a user supplied is invalid (rendered as a one-line error); a HeteroSpecError, so
+    that an app's ``except HeteroSpecError`` catches every mistake in its input."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +250,11 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ConfigError(f"temperature must be a finite number >= 0, not {self.temperature}")
+        if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0, not {self.temperature!r}")
+        if not _whole(self.seed):
+            raise ConfigError(f"seed must be a whole number, not {self.seed!r}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, not {self.seed} (the command line's and the server's -1 pick a "
                               "fresh one)")
@@ -281,6 +304,8 @@ def parse_draft_len(value: "int | str") -> DraftLen:
             value = int(value)
         except ValueError:
             raise ConfigError(f"draft length must be 'auto' or an integer, not {value!r}") from None
+    if not _whole(value):
+        raise ConfigError(f"draft length must be 'auto' or an integer, not {value!r}")
     if not 0 <= int(value) <= 32:
         raise ConfigError(f"draft length must be in 0..32, not {value}")
     return int(value)
@@ -307,8 +332,8 @@ class SpecConfig:
     draft_model: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError("max_new_tokens must be at least 1")
+        if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be a whole number >= 1, not {self.max_new_tokens!r}")
         object.__setattr__(self, "draft_len", parse_draft_len(self.draft_len))
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
             raise ConfigError(f"draft p-min must be in [0, 1), not {self.draft_p_min}")

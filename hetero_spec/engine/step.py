@@ -141,6 +141,23 @@ class Engine:
     def idle(self) -> bool:
         return not self.scheduler.active and not self.scheduler.waiting
 
+    def abandon(self) -> list[Request]:
+        """Drop every request, waiting or in a slot, and empty every slot; returns the dropped requests.
+
+        WHY: after a step that failed or was interrupted (a Ctrl-C lands anywhere in it), the slots' cells,
+        their drafts' state and their requests no longer agree, and stepping on would fail again every time.
+        What was learnt stays: prices, acceptance, the prompt cache and the suffix cache of past answers."""
+        sch = self.scheduler
+        dropped = [*sch.waiting, *(slot.request for slot in sch.active)]
+        for slot in sch.slots:
+            self.target.clear(slot.seq)
+            if self.draft is not None:
+                self.draft.stop(slot.seq)
+        self.scheduler = Scheduler(len(sch.slots), sch.max_waiting, sch.max_rows, sch.seq_ctx)
+        for request in dropped:
+            request.stop_reason = request.stop_reason or "cancelled"
+        return dropped
+
     def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5, context: int = 256, *,
                   cached: bool = False) -> StepCost:
         """Measure one micro-batch at several fills on this machine, before any request: the prices ``_choose``

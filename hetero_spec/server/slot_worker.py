@@ -257,13 +257,7 @@ class SlotWorker(ModelThread):
             self.queue.done(live.job)
             live.job.post(Failed(internal_error()))
         self._live.clear()
-        target = self.engine.target
-        for slot in self.engine.scheduler.slots:
-            target.clear(slot.seq)
-        cost = self.engine.cost
-        self.engine = Engine(target, max_waiting=self.n_slots, drafting=self.drafting,
-                             prompt_cache=self.engine.prompt_cache)
-        self.engine.cost = cost
+        self.engine.abandon()  # (a new Engine here had dropped the draft model for the server's remaining life)
 
 
 def prompt_tokens(target, work: Work) -> list[int]:

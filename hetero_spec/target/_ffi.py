@@ -144,8 +144,18 @@ LAYER_INPUT_ARCHS = frozenset({"llama", "qwen3", "qwen3moe", "qwen35", "qwen35mo
                                "nemotron_h", "gpt-oss", "minimax-m2"})
 
 
+class Closed(TargetError):
+    """A llama.cpp object used after ``close``."""
+
+
+def _closed(what: str):
+    raise Closed(f"the {what} is closed: it was used after close() or outside its with block")
+
+
 class ModelHandle:
     """Owns a ``llama_model``; must outlive every context made from it."""
+
+    _ptr = _vocab = None
 
     def __init__(self, path: Path, *, vocab_only: bool = False) -> None:
         check_gguf_header(path)
@@ -159,15 +169,25 @@ class ModelHandle:
         params.use_extra_bufts = self.kernel_plan.extra_bufts
         _log_capture.lines = []
         try:
-            self.ptr = C.llama_model_load_from_file(str(path).encode(), params)
+            self._ptr = C.llama_model_load_from_file(str(path).encode(), params)
             self.weight_buffers = _weight_buffers(_log_capture.lines)  # {buffer type: MiB}
         finally:
             del _log_capture.lines
         raise_if_interrupted(self.close)
-        if not self.ptr:
+        if not self._ptr:
             raise TargetError(f"llama.cpp could not load {path} (corrupt, truncated or unsupported GGUF)")
-        self.vocab = C.llama_model_get_vocab(self.ptr)
+        self._vocab = C.llama_model_get_vocab(self._ptr)
         self._eog: dict[int, bool] = {}
+
+    # A freed pointer handed to llama.cpp is a segfault of the whole process: an object used after its
+    # ``close`` (a lazy stream iterated after its ``with`` block) raises instead.
+    @property
+    def ptr(self):
+        return self._ptr or _closed("model")
+
+    @property
+    def vocab(self):
+        return self._vocab if self._ptr else _closed("model")
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation, remembered per id: asked for every emitted token, and
@@ -190,13 +210,15 @@ class ModelHandle:
         return None if n < 0 else buf.value.decode("utf-8", errors="replace")
 
     def close(self) -> None:
-        if self.ptr:
-            C.llama_model_free(self.ptr)
-            self.ptr = None
+        if self._ptr:
+            C.llama_model_free(self._ptr)
+            self._ptr = None
 
 
 class ContextHandle:
     """Owns a ``llama_context``; closed before its model."""
+
+    _ptr = _memory = None
 
     def __init__(
         self,
@@ -227,16 +249,24 @@ class ContextHandle:
         if kv_type is not None:  # ggml_type of both K and V cells (llama.cpp's default is F16)
             params.type_k = params.type_v = kv_type
         params.no_perf = True
-        self.ptr = C.llama_init_from_model(model.ptr, params)
+        self._ptr = C.llama_init_from_model(model.ptr, params)
         raise_if_interrupted(self.close)
-        if not self.ptr:
+        if not self._ptr:
             raise TargetError(f"llama.cpp could not create a context of {n_ctx} tokens")
-        self.memory = C.llama_get_memory(self.ptr)
+        self._memory = C.llama_get_memory(self._ptr)
+
+    @property
+    def ptr(self):
+        return self._ptr or _closed("context")
+
+    @property
+    def memory(self):
+        return self._memory if self._ptr else _closed("context")
 
     def close(self) -> None:
-        if self.ptr:
-            C.llama_free(self.ptr)
-            self.ptr = None
+        if self._ptr:
+            C.llama_free(self._ptr)
+            self._ptr = None
 
 
 class Owners:

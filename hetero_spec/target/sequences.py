@@ -136,6 +136,7 @@ class SequenceTarget(Vocabulary, Owners):
         float32``, a view valid until the next decode (a copy with final-norm features)."""
         n = len(rows)
         b = self._batch
+        ctx = self._ctx.ptr  # raises once closed, before the batch's freed arrays are written
         if not 0 < n <= b.capacity:
             raise TargetError(f"a decode takes 1..{b.capacity} rows, not {n}")
         every = self._every_row  # with embeddings on, llama.cpp outputs every row whatever the flags say
@@ -146,7 +147,7 @@ class SequenceTarget(Vocabulary, Owners):
             b.seq_ids[i][0] = r.seq
         b.n_seq_id[:n] = 1
         b.raw.n_tokens = n
-        _ffi.check_decode(C.llama_decode(self._ctx.ptr, b.raw))
+        _ffi.check_decode(C.llama_decode(ctx, b.raw))
         self._n_rows = n
         if every:  # every row came out: keep the asked-for ones (a copy)
             return np.ctypeslib.as_array(C.llama_get_logits(self._ctx.ptr), shape=(n, self.n_vocab))[
