@@ -15,7 +15,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from .chat_template import render_chat
 from .config import (DEFAULT_KV_TYPE, MIN_CTX, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec, check_threads,
@@ -99,8 +99,10 @@ class HeteroSpec:
         # abort the process) and ``close`` frees it.  A stream holds the model between its pieces only, so the
         # newest call owns the conversation state: an older stream still open is closed by it (``_turn``).
         self._lock = threading.Lock()
-        self._closed = False
+        self._owner: int | None = None  # the thread holding it
+        self._closed = self._closing = False
         self._stream: Iterator[str] | None = None  # the open stream's pieces, if one is open
+        self._stream_stats: RunStats | None = None
         n_ctx, threads = count("n_ctx", n_ctx, MIN_CTX), check_threads(threads)
         check_type("denoise", denoise, DenoiseConfig)
         if exact_rows is not None:
@@ -193,35 +195,49 @@ class HeteroSpec:
                           stacklevel=4)
 
     def close(self) -> None:
-        """Free the model (waiting for a call in progress on another thread to finish its round)."""
+        """Free the model.  A call running on another thread ends first: a stream's at its next piece, any other
+        at its end."""
+        if self._owner == threading.get_ident():
+            raise HeteroSpecError("close() from inside a call on the same HeteroSpec (a cancel hook?): return from "
+                                  "the call first")
+        self._closing = True  # a stream read on another thread stops at its next piece
         with self._lock:
-            if self._stream is not None:  # its generation ends while the model is still there
-                self._stream.close()  # type: ignore[attr-defined]
-                self._stream = None
+            self._end_stream()
             self._closed = True
             self.target.close()
 
+    def _end_stream(self) -> None:
+        """Close the open stream's generation while the model is there (its stop reason: interrupted)."""
+        if self._stream is not None:
+            pieces, stats, self._stream, self._stream_stats = self._stream, self._stream_stats, None, None
+            pieces.close()  # type: ignore[attr-defined]
+            stats.stop_reason = stats.stop_reason or "interrupted"
+
     @contextmanager
-    def _turn(self, stream: Iterator[str] | None = None) -> Iterator[None]:
+    def _turn(self, stream: Iterator[str] | None = None, supersede: bool = True) -> Iterator[None]:
         """Hold the model for one call, or for one piece of ``stream``: refused once closed, or while another
-        thread holds it.  A new call first closes an open stream it did not come from (stop reason
-        ``interrupted``); that stream's iterator then raises, where it decoded from a moved conversation."""
-        if self._closed:
+        thread holds it.  A new call (``supersede``) first closes an open stream it did not come from; that
+        stream's iterator then raises, where it decoded from a moved conversation."""
+        if self._closed or self._closing:
             raise HeteroSpecError("this HeteroSpec is closed: it was used after close() or outside its with block")
         if not self._lock.acquire(blocking=False):
+            if self._owner == threading.get_ident():
+                raise HeteroSpecError("a call on this HeteroSpec from inside one of its own calls (a cancel hook?)")
             raise HeteroSpecError("this HeteroSpec is in a call on another thread: one HeteroSpec serves one caller "
-                                  "at a time (BatchGenerator and `hetero-spec serve` serve many at once)")
+                                  "at a time (for many at once: `hetero-spec serve`, or a BatchGenerator's one call "
+                                  "with many prompts)")
+        self._owner = threading.get_ident()
         try:
-            if self._closed:  # closed while this thread waited for the lock
+            if self._closed or self._closing:  # closed while this thread waited for the lock
                 raise HeteroSpecError("this HeteroSpec is closed")
             if stream is not None and stream is not self._stream:
                 raise HeteroSpecError("this stream was closed by a later call on the same HeteroSpec: read a stream "
                                       "to its end, or close it, before the next call")
-            if stream is None and self._stream is not None:
-                superseded, self._stream = self._stream, None
-                superseded.close()  # type: ignore[attr-defined]
+            if stream is None and supersede:
+                self._end_stream()
             yield
         finally:
+            self._owner = None
             self._lock.release()
 
     def reset(self) -> None:
@@ -239,7 +255,7 @@ class HeteroSpec:
 
     # ------------------------------------------------------------------ requests
     def render(self, messages: list[dict[str, str]]) -> str:
-        with self._turn():
+        with self._turn(supersede=False):  # reads the template and the vocabulary only
             t = self.target
             return render_chat(t.chat_template, check_messages(messages), bos_token=t.bos_token,
                                eos_token=t.eos_token)
@@ -254,7 +270,7 @@ class HeteroSpec:
         *,
         max_new_tokens: int = 256,
         draft_len: int | str = "auto",
-        stop: tuple[str, ...] | list[str] = (),
+        stop: str | Iterable[str] | None = (),
         stream: bool = False,
         tree: TreeSpec | None = None,
         sampling: SamplingConfig | None = None,
@@ -268,7 +284,7 @@ class HeteroSpec:
     ) -> Completion | TextStream:
         """Generate; greedy output is identical to the target alone, sampled output follows its distribution.
 
-        ``draft_len``: k drafts per round, 0 = plain decoding, ``"auto"`` = sized every round
+        ``stop``: one stop string or several.  ``draft_len``: k drafts per round, 0 = plain decoding, ``"auto"`` = sized every round
         from the machine's cost curve (measured quickly and cached on first use) and the
         running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
         depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
@@ -303,7 +319,7 @@ class HeteroSpec:
             if not stream:
                 text = "".join(pieces)
                 return Completion(text, ts.tokens, stats)
-            self._stream = pieces
+            self._stream, self._stream_stats = pieces, stats
         ts._pieces = self._pieces(pieces)
         return ts
 
@@ -314,15 +330,14 @@ class HeteroSpec:
                 with self._turn(pieces):
                     piece = next(pieces, None)
                     if piece is None:
-                        self._stream = None
+                        self._stream = self._stream_stats = None
                         return
                 yield piece
-        finally:  # closed or dropped by its reader: its generation ends now, on this thread, if it still holds
+        finally:  # closed by its reader (or collected): its generation ends now, if it is still the open one
             if self._stream is pieces and self._lock.acquire(blocking=False):
                 try:
-                    self._stream = None
                     if not self._closed:
-                        pieces.close()  # type: ignore[attr-defined]
+                        self._end_stream()
                 finally:
                     self._lock.release()
 
@@ -359,7 +374,7 @@ class HeteroSpec:
 
         Measuring resets the conversation cache; it happens once per machine, model and draft
         file (``hetero_spec.calibration`` caches the JSON)."""
-        with self._turn():
+        with self._turn(supersede=self._curve is None):  # measuring moves the conversation; reading does not
             return self._cost_curve()
 
     def _cost_curve(self):

@@ -13,6 +13,7 @@ pays on the whole batch.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class BatchGenerator:
             if path is not None and not Path(path).is_file():
                 raise HeteroSpecError(f"no such file: {path}")
         draft = draft if drafts else None
+        self._lock = threading.Lock()  # one job at a time: two threads in one llama_decode abort the process
         rows = min(exact_micro_batch(model, threads=threads, kv_type=kv_type), BATCH_INVARIANT_ROWS)
         self.target, slot_drafts = open_slots(model, draft, SequenceOptions(
             n_seq=slots, seq_ctx=n_ctx, n_threads=threads, kv_type=kv_type, max_rows=rows),
@@ -115,6 +117,9 @@ class BatchGenerator:
         sampling = SamplingConfig(temperature=temperature, seed=seed)
         requests = [Request(p, max_new_tokens, sampling=sampling, tag=i) for i, p in enumerate(ids)]
         pending = list(reversed(requests))
+        if not self._lock.acquire(blocking=False):
+            raise HeteroSpecError("this BatchGenerator is running a job on another thread: one job at a time (a job "
+                                  "takes any number of prompts)")
         try:
             with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=not progress) as bar:
                 while pending or not self.engine.idle:
@@ -126,5 +131,7 @@ class BatchGenerator:
         except BaseException:
             self.engine.abandon()
             raise
+        finally:
+            self._lock.release()
         return [BatchCompletion(t.detokenize([x for x in r.out if not t.is_eog(x)]), r.out, r.stop_reason or "",
                                 r.drafted, r.accepted) for r in requests]

@@ -11,7 +11,7 @@ import click
 
 from . import atomic_file
 from .cli_types import FiniteFloat
-from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, MIN_CTX, ConfigError,
+from .config import (DEFAULT_CACHE_RAM_MIB, DEFAULT_KV_TYPE, DRAFT_DTYPES, KV_TYPES, MAX_THREADS, MIN_CTX,
                      DenoiseConfig)
 from .errors import HeteroSpecError
 
@@ -312,7 +312,7 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except (HeteroSpecError, ConfigError) as exc:
+    except HeteroSpecError as exc:  # ConfigError included
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -41,10 +41,10 @@ def _whole(value: Any) -> bool:
 
 def check_threads(threads: Any) -> int:
     """llama.cpp threads as the API takes them: 0 (the default count) up to ``MAX_THREADS``, as ``-t`` is."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= MAX_THREADS:
+    if not _whole(threads) or not 0 <= threads <= MAX_THREADS:
         raise ConfigError(f"threads must be a whole number from 0 (the default) to {MAX_THREADS}, the CPUs this "
                           f"process may use, not {threads!r}")
-    return threads
+    return int(threads)
 
 
 class ConfigError(HeteroSpecError, ValueError):

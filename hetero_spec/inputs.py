@@ -8,7 +8,7 @@ stopped at the first single newline and ``BatchGenerator.generate("Hi!")`` answe
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from .errors import HeteroSpecError
 
@@ -26,14 +26,15 @@ def count(name: str, value: Any, least: int = 1) -> int:
     return int(value)
 
 
-def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+def stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
     """One stop string or several, as the OpenAI API takes them."""
     if stop is None:
         return ()
     if isinstance(stop, str):
         return (stop,)
-    if isinstance(stop, (bytes, dict)) or not isinstance(stop, Sequence):
+    if isinstance(stop, (bytes, dict)) or not isinstance(stop, Iterable):
         raise HeteroSpecError(f"stop must be a str or a list of str, not {type(stop).__name__}")
+    stop = tuple(stop)
     bad = [s for s in stop if not isinstance(s, str)]
     if bad:
         raise HeteroSpecError(f"stop strings must be str, not {type(bad[0]).__name__} ({bad[0]!r})")

@@ -52,7 +52,7 @@ def _target_parts(model: Path):
 @click.option("--budget-clock", type=click.Choice(["wall", "cpu"]), default="wall", show_default=True,
               help="what --time-budget counts: wall time of the steps, or their CPU time per thread (a shared "
                    "machine does not shrink a cpu budget's work)")
-@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0, min_open=True))
+@click.option("--lr", default=1e-3, show_default=True, type=FiniteFloat(0))
 @click.option("--batch-tokens", default=4096, show_default=True)
 @click.option("--grad-accum", default=1, show_default=True)
 @click.option("--unroll", default=3, show_default=True, help="multi-step unrolled training steps (1 = off)")

@@ -149,11 +149,11 @@ class Engine:
         What was learnt stays: prices, acceptance, the prompt cache and the suffix cache of past answers."""
         sch = self.scheduler
         dropped = [*sch.waiting, *(slot.request for slot in sch.active)]
-        for slot in sch.slots:
+        self.scheduler = Scheduler(len(sch.slots), sch.max_waiting, sch.max_rows, sch.seq_ctx)  # first: whatever
+        for slot in sch.slots:  # happens below, no request is left to step
             self.target.clear(slot.seq)
             if self.draft is not None:
                 self.draft.stop(slot.seq)
-        self.scheduler = Scheduler(len(sch.slots), sch.max_waiting, sch.max_rows, sch.seq_ctx)
         for request in dropped:
             request.stop_reason = request.stop_reason or "cancelled"
         return dropped

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Union
 
 from ..chat_template import TemplateRenderError, render_chat
-from ..config import ConfigError, SamplingConfig
+from ..config import SamplingConfig
 from ..errors import ContextFull, HeteroSpecError
 from .errors import APIError, internal_error, shutting_down
 from .events import Delta, Failed, Finished, Started
@@ -186,7 +186,7 @@ class Worker(ModelThread):
             return Failed(err)
         except ContextFull as err:
             return Failed(APIError(400, str(err), param="messages", code="context_length_exceeded"))
-        except (HeteroSpecError, ConfigError) as err:
+        except HeteroSpecError as err:  # ConfigError included
             return Failed(APIError(400, str(err)))
         except Exception:
             log.exception("request %s: generation failed", job.request_id)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint, usable_cpus
+from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint
 from . import _ffi
 from ..errors import ContextFull, TargetError
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
@@ -30,11 +31,29 @@ def default_threads() -> int:
     WHY not every logical CPU: a decode is bound by memory bandwidth, so a core's SMT sibling adds no bandwidth
     and its thread, spinning at each barrier, delays the others (a laptop's 8 cores and 16 threads); and a
     container's CPU quota (``docker --cpus 2`` on a 64-core host) throttles 64 spinning threads to 2 CPUs'
-    time.  joblib's count reads the affinity mask, the cgroup quota (v1 and v2) and the core topology.
+    time.  Cores are counted over the affinity mask from the kernel's topology (one entry per set of SMT
+    siblings); joblib's count applies the cgroup quota (v1 and v2).
     """
     import joblib
 
-    return max(1, min(usable_cpus(), joblib.cpu_count(only_physical_cores=True)))
+    return max(1, min(physical_cores(), joblib.cpu_count()))
+
+
+def physical_cores(cpus: set[int] | None = None) -> int:
+    """Distinct cores among ``cpus`` (default: the affinity mask), from ``/sys``; the CPUs' count where the
+    kernel does not say."""
+    if cpus is None:
+        try:
+            cpus = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            cpus = set(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
 
 
 # llama.cpp's CPU backend switches to different matmul kernels at 64 rows a micro-batch
@@ -172,6 +191,9 @@ class LlamaTarget(Vocabulary, Owners):
         self._one = (C.llama_token * 1)()  # the token of a one-row decode
         self.tokens: list[int] = []  # the token ids whose cells are in the KV cache, in order
         self.trash_cells = 0  # rejected tree cells parked in TRASH_SEQ
+        # a tree decoded and its branch not kept yet: an exception in between (a Ctrl-C during acceptance) leaves
+        # the prefix and the tree's cells in the leaf sequences, and the next prefill starts from a clear cache
+        self._tree_open = False
         # NumPy views of llama.cpp's logits buffer per row count, kept while the buffer stays where it is
         # (llama.cpp moves it only when a decode needs more outputs than it holds): a new view per decode
         # cost five Python calls, about 10 us of a plain round on SmolLM2 Q4_0 after the decode.
@@ -232,7 +254,7 @@ class LlamaTarget(Vocabulary, Owners):
             raise TargetError("empty prompt")
         if len(tokens) > self.n_ctx:
             raise ContextFull(f"prompt of {len(tokens)} tokens exceeds the context of {self.n_ctx}")
-        if self.trash_cells:  # parked tree cells sit between cached ones: reuse would reorder slots
+        if self.trash_cells or self._tree_open:  # parked tree cells sit between cached ones: reuse would reorder
             self.reset()
         keep = max(0, min(common_prefix(self.tokens, tokens), len(tokens)) - 1)
         if max_reuse is not None:
@@ -315,6 +337,7 @@ class LlamaTarget(Vocabulary, Owners):
             # out of position order, so logits may drift from plain decoding in the last bits.
             C.llama_memory_seq_rm(mem, self.trash_seq, -1, -1)
             self.trash_cells = 0
+        self._tree_open = True
         for s in range(1, n_seqs):
             C.llama_memory_seq_cp(mem, 0, s, -1, -1)
         start = self.n_past
@@ -365,6 +388,7 @@ class LlamaTarget(Vocabulary, Owners):
         self.tokens.extend(int(t) for t in path_tokens)
         if self.kv_pos_max() != n_keep - 1:
             raise TargetError(f"after keeping a branch the KV ends at {self.kv_pos_max()}, expected {n_keep - 1}")
+        self._tree_open = False
 
     def _park_rejected(self, mem, seq: int, n0: int, n_keep: int, n_seqs: int, n_path: int) -> None:
         """Sequence 0 becomes the prefix plus leaf sequence ``seq`` up to ``n_keep``; every other tree
@@ -391,6 +415,7 @@ class LlamaTarget(Vocabulary, Owners):
         C.llama_memory_clear(self._ctx.memory, True)
         self.tokens.clear()
         self.trash_cells = 0
+        self._tree_open = False
 
     def _decode(self, tokens) -> tuple[np.ndarray, np.ndarray | None]:
         n = len(tokens)

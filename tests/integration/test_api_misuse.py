@@ -3,12 +3,16 @@ where it was a segfault, an abort, wrong text, or an object that refused every l
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
-from hetero_spec import BatchGenerator, ConfigError, HeteroSpec, HeteroSpecError
+from hetero_spec import BatchGenerator, ConfigError, HeteroSpec, HeteroSpecError, TreeSpec
 from hetero_spec.config import MAX_THREADS
 from hetero_spec.target import _ffi
+from hetero_spec.target.llama_target import LlamaTarget
+
+DARTER = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-darter.safetensors"
 
 PROMPT = "Once upon a time"
 OTHER = "The capital of France is"
@@ -27,7 +31,7 @@ def plain(hs) -> dict[str, str]:
     out = {}
     for p in (PROMPT, OTHER, LONG):
         hs.reset()
-        out[p] = hs.generate(p, max_new_tokens=12).text
+        out[p] = hs.generate(p, max_new_tokens=12, draft_len=0).text
     return out
 
 
@@ -70,22 +74,70 @@ def test_a_second_thread_is_refused_while_a_call_runs(hs, plain):
     t = threading.Thread(target=other_thread)
     t.start()
     hs.reset()
-    text = hs.generate(PROMPT, max_new_tokens=12, cancel=first_round_waits).text
+    text = hs.generate(PROMPT, max_new_tokens=12, draft_len=0, cancel=first_round_waits).text
     t.join(30)
     assert len(refused) == 1 and "another thread" in str(refused[0])
     assert text == plain[PROMPT]
 
 
+def test_a_call_from_inside_a_call_is_named(hs):
+    """A cancel hook that calls the same HeteroSpec: not 'another thread', and close() there would deadlock."""
+    seen: list[str] = []
+
+    def hook() -> bool:
+        for call in (hs.reset, hs.close):
+            try:
+                call()
+            except HeteroSpecError as exc:
+                seen.append(str(exc))
+        return True
+
+    hs.generate(PROMPT, max_new_tokens=4, draft_len=0, cancel=hook)
+    assert len(seen) == 2 and all("inside" in msg for msg in seen), seen
+
+
 def test_a_later_call_closes_an_open_stream_instead_of_mixing_them(hs, plain):
     hs.reset()
-    first = hs.generate(PROMPT, max_new_tokens=12, stream=True)
+    first = hs.generate(PROMPT, max_new_tokens=12, draft_len=0, stream=True)
+    pieces = iter(first)
+    text = next(pieces)
+    hs.render([{"role": "user", "content": "x"}])  # reads the template only: the stream goes on
+    text += "".join(pieces)
+    assert text == plain[PROMPT]
+    hs.reset()
+    first = hs.generate(PROMPT, max_new_tokens=12, draft_len=0, stream=True)
     pieces = iter(first)
     next(pieces)
     hs.reset()
-    assert hs.generate(OTHER, max_new_tokens=12).text == plain[OTHER]
+    assert hs.generate(OTHER, max_new_tokens=12, draft_len=0).text == plain[OTHER]
     with pytest.raises(HeteroSpecError, match="closed by a later call"):
         next(pieces)
     assert first.stats.stop_reason == "interrupted"
+    unread = hs.generate(PROMPT, max_new_tokens=12, draft_len=0, stream=True)
+    hs.reset()  # superseded before its first piece
+    assert unread.stats.stop_reason == "interrupted"
+
+
+def test_ctrl_c_between_a_tree_decode_and_its_kept_branch_leaves_the_object_usable(model_path, monkeypatch):
+    """The tree's prefix and cells stayed in its leaf sequences, and the next tree round built on them."""
+    tree = TreeSpec(total_tokens=8, depth=4, top_k=2)
+    with HeteroSpec(model_path, DARTER, n_ctx=512, threads=1) as h:
+        plain = h.generate(LONG, max_new_tokens=16, draft_len=0).text
+        h.reset()
+        real, calls = LlamaTarget.keep_branch, {"n": 0}
+
+        def interrupted(self, *args):  # the signal lands during the first round's acceptance, before any
+            calls["n"] += 1        # rejected cell is parked (parked cells already made the next prefill reset)
+            if calls["n"] == 1:
+                raise KeyboardInterrupt
+            return real(self, *args)
+
+        monkeypatch.setattr(LlamaTarget, "keep_branch", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            h.generate(LONG, max_new_tokens=16, draft_len=4, tree=tree)
+        monkeypatch.undo()
+        again = h.generate(LONG, max_new_tokens=16, draft_len=4, tree=tree)
+        assert again.text == plain and len(again.stats.rounds) > 1
 
 
 def test_ctrl_c_as_a_prefill_decode_returns_leaves_the_object_usable(hs, plain, monkeypatch):
@@ -103,16 +155,16 @@ def test_ctrl_c_as_a_prefill_decode_returns_leaves_the_object_usable(hs, plain, 
     monkeypatch.setattr(_ffi, "check_decode", interrupted_once)
     hs.reset()
     with pytest.raises(KeyboardInterrupt):
-        hs.generate(LONG, max_new_tokens=12)
+        hs.generate(LONG, max_new_tokens=12, draft_len=0)
     monkeypatch.setattr(_ffi, "check_decode", real)
     assert hs.target.kv_pos_max() == hs.target.n_past - 1  # the cache holds exactly the listed tokens
-    assert hs.generate(LONG, max_new_tokens=12).text == plain[LONG]
+    assert hs.generate(LONG, max_new_tokens=12, draft_len=0).text == plain[LONG]
 
 
 def test_arguments_of_the_wrong_kind_are_named(hs, plain, model_path):
     hs.reset()
-    assert hs.generate(PROMPT, max_new_tokens=12, stop="\n\n").text == hs.generate(
-        PROMPT, max_new_tokens=12, stop=["\n\n"]).text  # one stop string, not its characters
+    assert hs.generate(PROMPT, max_new_tokens=12, draft_len=0, stop="\n\n").text == hs.generate(
+        PROMPT, max_new_tokens=12, draft_len=0, stop=["\n\n"]).text  # one stop string, not its characters
     cases = [
         (lambda: hs.generate([1, hs.target.n_vocab]), f"token id {hs.target.n_vocab} is outside"),
         (lambda: hs.generate([1, -1]), "token id -1 is outside"),
@@ -134,7 +186,7 @@ def test_arguments_of_the_wrong_kind_are_named(hs, plain, model_path):
             call()
     assert issubclass(ConfigError, HeteroSpecError)
     hs.reset()
-    assert hs.generate(PROMPT, max_new_tokens=12).text == plain[PROMPT]  # still usable
+    assert hs.generate(PROMPT, max_new_tokens=12, draft_len=0).text == plain[PROMPT]  # still usable
 
 
 def test_batch_bad_prompts_and_interrupts_leave_the_generator_usable(model_path, monkeypatch):

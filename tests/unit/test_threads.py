@@ -15,23 +15,25 @@ from pathlib import Path
 import pytest
 
 from hetero_spec.config import MAX_THREADS, usable_cpus
-from hetero_spec.target.llama_target import default_threads
+from hetero_spec.target.llama_target import default_threads, physical_cores
 
 COUNT = "from hetero_spec.target.llama_target import default_threads; print(default_threads())"
 
 
-def physical_cores_in(cpus: set[int]) -> int:
-    """Distinct cores among ``cpus``, from the kernel's topology (one entry per set of SMT siblings)."""
-    siblings = set()
-    for cpu in cpus:
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        siblings.add(topo.read_text().strip() if topo.exists() else str(cpu))
-    return len(siblings)
+def cores_from_lscpu(cpus: set[int]) -> int:
+    """Distinct (socket, core) pairs among ``cpus`` as util-linux reports them: an oracle independent of the
+    code under test, which reads /sys."""
+    out = subprocess.run(["lscpu", "--parse=cpu,core,socket"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split(",") for line in out.splitlines() if line and not line.startswith("#")]
+    return len({(socket, core) for cpu, core, socket in rows if int(cpu) in cpus})
 
 
+@pytest.mark.skipif(shutil.which("lscpu") is None, reason="lscpu (util-linux) is the oracle")
 def test_default_is_the_physical_cores_of_the_affinity_mask():
-    assert MAX_THREADS == usable_cpus() == len(os.sched_getaffinity(0))
-    assert default_threads() == physical_cores_in(os.sched_getaffinity(0))
+    mask = os.sched_getaffinity(0)
+    assert MAX_THREADS == usable_cpus() == len(mask)
+    assert default_threads() == physical_cores() == cores_from_lscpu(mask)
+    assert physical_cores({min(mask)}) == 1
 
 
 def test_a_narrower_affinity_mask_narrows_the_default():
