@@ -533,14 +533,20 @@ def load_runner(target: LlamaTarget | SequenceTarget, path: str | Path, *, devic
     # the draft runs while the target's threads wait: it may use as many (one shared OpenMP pool, see DraftRunner)
     runner = DraftRunner(model, device=device, dtype=dtype, denoise=denoise, calibration=rows, int8_calibration=cached,
                          cpu_threads=target.n_threads)
-    if rows is not None and runner.int8_calibration is not None:
-        int8_cache.save(target.path, path, runner.int8_calibration)
+    if rows is not None and runner.int8_calibration is not None and len(rows[1]) == len(_calibration_ids(target)) - 1:
+        int8_cache.save(target.path, path, runner.int8_calibration)  # not a context's cut of the text (below)
     return runner
 
 
+def _calibration_ids(target: LlamaTarget | SequenceTarget) -> list[int]:
+    return target.tokenize(CALIBRATION_TEXT)
+
+
 def _calibration_rows(target: LlamaTarget | SequenceTarget):
-    """(features [n-1, n_embd], next tokens [n-1]) of CALIBRATION_TEXT; leaves the target's cache empty."""
-    ids = target.tokenize(CALIBRATION_TEXT)
+    """(features [n-1, n_embd], next tokens [n-1]) of CALIBRATION_TEXT; leaves the target's cache empty.  A
+    context shorter than the text (``--ctx 64``) calibrates on the part that fits, and that calibration is not
+    cached for longer contexts."""
+    ids = _calibration_ids(target)
     if isinstance(target, SequenceTarget):  # sequence 0, in decodes of at most batch_rows rows
         import numpy as np
 
@@ -555,6 +561,7 @@ def _calibration_rows(target: LlamaTarget | SequenceTarget):
             feats.append(target.features())
         target.clear(0)
         return np.concatenate(feats)[:-1], ids[1:]
+    ids = ids[: target.n_ctx]
     was = target.embeddings
     target.reset()  # a cached prefix would return the new rows only
     target.set_embeddings(True)

@@ -676,19 +676,26 @@ def _plain_rounds(
 
 
 def _truncate_at_stop(target: Target, tokens: list[int], left: int) -> tuple[list[int], str]:
+    """A round's emitted tokens up to the first that ends the generation.  Called with the round's rows kept,
+    so ``tokens[i]`` is the pick after row ``target.n_past - len(tokens) + i``: each is judged with the cells
+    plain decoding would hold when it picked it.  (Judged with the round's final count, a round that filled
+    the context cut its accepted tokens short of plain decoding's at the end of the context.)"""
+    base = target.n_past - len(tokens)
     for i, tok in enumerate(tokens):
-        reason = _stop_reason(target, tok, left - i - 1)
+        reason = _stop_reason(target, tok, left - i - 1, n_past=base + i + 1)
         if reason:
             return tokens[: i + 1], reason
     return tokens, ""
 
 
-def _stop_reason(target: Target, token: int, left_after: int) -> str:
+def _stop_reason(target: Target, token: int, left_after: int, n_past: int | None = None) -> str:
+    """Why the generation ends after ``token`` ("" if it goes on); ``n_past``: the cells held when it was picked
+    (default: the target's now)."""
     if target.is_eog(token):
         return "eog"
     if left_after <= 0:
         return "max_tokens"
-    if target.n_past + 1 > target.n_ctx:
+    if (target.n_past if n_past is None else n_past) + 1 > target.n_ctx:
         return "context_full"
     return ""
 

@@ -58,3 +58,24 @@ def test_acceptance_counts_match_a_perfect_draft(hs, plain_outputs):
     assert [t for s in steps for t in s.tokens] == plain_outputs[p]
     assert all(r.accepted == r.drafted for r in rounds)  # a perfect draft is never rejected
     assert len(rounds) <= -(-N_NEW // 5) + 1
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_round_that_fills_the_context_emits_what_plain_decoding_does(model_path, random_draft_path, k):
+    """Each emitted token is judged with the cells plain decoding holds when it picks it: judged with the
+    round's final count, a round that filled the context cut its accepted tokens short (13 against 14)."""
+    from hetero_spec import HeteroSpec
+
+    with HeteroSpec(model_path, random_draft_path, n_ctx=64, threads=1) as small:
+        prompt = small.target.tokenize(small.render([{"role": "user", "content": "Tell me a story."}]),
+                                       add_special=False)
+        assert len(prompt) < 48, len(prompt)
+        small.target.reset()
+        plain = list(generate_tokens(small.target, None, prompt, max_new_tokens=200, draft_len=0))
+        reference = [t for s in plain for t in s.tokens]
+        assert plain[-1].stop_reason == "context_full"
+        for seed in range(3):  # perfect and erring drafts end their last round at different places
+            small.target.reset()
+            draft = OracleDraft(prompt + reference + [0] * 8, error_rate=0.3 * seed, seed=seed)
+            steps = list(generate_tokens(small.target, draft, prompt, max_new_tokens=200, draft_len=k))
+            assert [t for s in steps for t in s.tokens] == reference and steps[-1].stop_reason == "context_full"
