@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from .chat_template import render_chat
 from .config import (DEFAULT_KV_TYPE, MIN_CTX, DenoiseConfig, SamplingConfig, SpecConfig, TreeSpec, check_threads,
                      parse_draft_len)
-from .errors import ContextFull, HeteroSpecError
+from .errors import ContextFull, HeteroSpecError, TargetError
 from .inputs import check_messages, check_type, count, stop_strings, token_ids
 from .records import RunStats
 from .spec.orchestrator import generate_tokens
@@ -109,7 +109,12 @@ class HeteroSpec:
             exact_rows = count("exact_rows", exact_rows)
         options = TargetOptions(n_ctx=n_ctx, n_threads=threads, embeddings=draft is not None, kv_type=kv_type,
                                 taps=draft_taps(draft))
-        self.target = LlamaTarget(target, options)
+        try:
+            self.target = LlamaTarget(target, options)
+        except TargetError:
+            if options.taps:  # a draft made for another model says so, rather than that this one cannot tap
+                _check_draft_fits(target, draft)
+            raise
         self.invariance: Invariance | None = None  # the load's check (None when exact_rows was given)
         self._warned: set[str] = set()  # clamped settings already warned about
         try:
@@ -509,6 +514,14 @@ def draft_taps(path: str | Path | None) -> tuple[int, ...]:
     from .draft.checkpoint import read_config
 
     return read_config(path).taps
+
+
+def _check_draft_fits(target: str | Path, draft: str | Path) -> None:
+    """Raise ``DraftError`` if ``draft`` was made for a model other than ``target`` (opened without taps)."""
+    from .draft.checkpoint import load_draft
+
+    with LlamaTarget(target, TargetOptions(n_ctx=MIN_CTX, n_threads=1, embeddings=False)) as plain:
+        load_draft(draft, plain.fingerprint)
 
 
 def load_runner(target: LlamaTarget | SequenceTarget, path: str | Path, *, device: str, dtype: str,

@@ -305,3 +305,13 @@ def test_calibrate_then_bench_reads_its_curve(gemma_path, trained_draft):
     assert {r.method for r in res.records} == {"raw", "chain", "auto"} and all(r.equal for r in res.records)
     assert res.meta["template"] == "plain"
     assert cached.stat().st_mtime_ns == written  # auto priced its rounds with the CLI's curve
+
+
+def test_a_draft_for_another_model_says_so_before_its_taps_are_refused(gemma_path):
+    """The shipped SmolLM2 darter reads taps, which gemma3 cannot record: the error names the real mistake (the
+    draft's model), not the taps."""
+    from hetero_spec import DraftError, HeteroSpec
+
+    darter = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-darter.safetensors"
+    with pytest.raises(DraftError, match="hidden size|another target"):
+        HeteroSpec(gemma_path, darter, n_ctx=256, threads=1)
