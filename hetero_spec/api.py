@@ -542,24 +542,21 @@ def load_runner(target: LlamaTarget | SequenceTarget, path: str | Path, *, devic
     rows = cached = None
     if dtype.startswith("int8") or (dtype == "auto" and not str(device).startswith("cuda")):
         cached = int8_cache.load(target.path, path)
-        rows = None if cached is not None else _calibration_rows(target)
+        if cached is None:
+            ids = target.tokenize(CALIBRATION_TEXT)
+            rows = _calibration_rows(target, ids)
     # the draft runs while the target's threads wait: it may use as many (one shared OpenMP pool, see DraftRunner)
     runner = DraftRunner(model, device=device, dtype=dtype, denoise=denoise, calibration=rows, int8_calibration=cached,
                          cpu_threads=target.n_threads)
-    if rows is not None and runner.int8_calibration is not None and len(rows[1]) == len(_calibration_ids(target)) - 1:
+    if rows is not None and runner.int8_calibration is not None and len(rows[1]) == len(ids) - 1:
         int8_cache.save(target.path, path, runner.int8_calibration)  # not a context's cut of the text (below)
     return runner
 
 
-def _calibration_ids(target: LlamaTarget | SequenceTarget) -> list[int]:
-    return target.tokenize(CALIBRATION_TEXT)
-
-
-def _calibration_rows(target: LlamaTarget | SequenceTarget):
-    """(features [n-1, n_embd], next tokens [n-1]) of CALIBRATION_TEXT; leaves the target's cache empty.  A
-    context shorter than the text (``--ctx 64``) calibrates on the part that fits, and that calibration is not
-    cached for longer contexts."""
-    ids = _calibration_ids(target)
+def _calibration_rows(target: LlamaTarget | SequenceTarget, ids: list[int]):
+    """(features [n-1, n_embd], next tokens [n-1]) of ``ids`` (CALIBRATION_TEXT); leaves the target's cache
+    empty.  A context shorter than the text (``--ctx 64``) calibrates on the part that fits, and that
+    calibration is not cached for longer contexts."""
     if isinstance(target, SequenceTarget):  # sequence 0, in decodes of at most batch_rows rows
         import numpy as np
 

@@ -13,17 +13,23 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Union
 
 from .errors import HeteroSpecError
+from .inputs import whole
 
+
+
+def usable_cpu_set() -> set[int]:
+    """The logical CPUs this process may run on: its affinity mask (every CPU where there is none)."""
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
 
 
 def usable_cpus() -> int:
-    """The logical CPUs this process may run on (its affinity mask): the most ``-t`` a command accepts.  The
-    default thread count is smaller where cores have SMT siblings or a cgroup quota applies
+    """How many logical CPUs this process may run on: the most ``-t`` a command accepts.  The default thread
+    count is smaller where cores have SMT siblings or a cgroup quota applies
     (``target.llama_target.default_threads``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    return max(1, len(usable_cpu_set()))
 
 
 # the most -t a command accepts: threads past the CPUs wait for one, and llama.cpp's spinning workers then
@@ -34,14 +40,9 @@ MAX_THREADS = usable_cpus()
 MIN_CTX = 16  # the smallest context the API and every --ctx take
 
 
-def _whole(value: Any) -> bool:
-    """An integer and not a bool (numpy integers count): 2.5 tokens is a mistake, not 2."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def check_threads(threads: Any) -> int:
     """llama.cpp threads as the API takes them: 0 (the default count) up to ``MAX_THREADS``, as ``-t`` is."""
-    if not _whole(threads) or not 0 <= threads <= MAX_THREADS:
+    if not whole(threads) or not 0 <= threads <= MAX_THREADS:
         raise ConfigError(f"threads must be a whole number from 0 (the default) to {MAX_THREADS}, the CPUs this "
                           f"process may use, not {threads!r}")
     return int(threads)
@@ -253,7 +254,7 @@ class SamplingConfig:
         if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise ConfigError(f"temperature must be a finite number >= 0, not {self.temperature!r}")
-        if not _whole(self.seed):
+        if not whole(self.seed):
             raise ConfigError(f"seed must be a whole number, not {self.seed!r}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, not {self.seed} (the command line's and the server's -1 pick a "
@@ -304,7 +305,7 @@ def parse_draft_len(value: "int | str") -> DraftLen:
             value = int(value)
         except ValueError:
             raise ConfigError(f"draft length must be 'auto' or an integer, not {value!r}") from None
-    if not _whole(value):
+    if not whole(value):
         raise ConfigError(f"draft length must be 'auto' or an integer, not {value!r}")
     if not 0 <= int(value) <= 32:
         raise ConfigError(f"draft length must be in 0..32, not {value}")
@@ -332,7 +333,7 @@ class SpecConfig:
     draft_model: bool = True
 
     def __post_init__(self) -> None:
-        if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not whole(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be a whole number >= 1, not {self.max_new_tokens!r}")
         object.__setattr__(self, "draft_len", parse_draft_len(self.draft_len))
         if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:

@@ -19,9 +19,14 @@ def check_type(name: str, value: Any, kind: type) -> None:
         raise HeteroSpecError(f"{name} must be a {kind.__name__}, not {type(value).__name__}")
 
 
+def whole(value: Any) -> bool:
+    """An integer and not a bool (numpy integers count): 2.5 tokens is a mistake, not 2."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def count(name: str, value: Any, least: int = 1) -> int:
-    """A whole number >= ``least`` (bools and floats refused: 2.5 tokens is a mistake, not 2)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+    """A whole number >= ``least``."""
+    if not whole(value) or value < least:
         raise HeteroSpecError(f"{name} must be a whole number >= {least}, not {value!r}")
     return int(value)
 
@@ -38,7 +43,7 @@ def stop_strings(stop: str | Iterable[str] | None) -> tuple[str, ...]:
     bad = [s for s in stop if not isinstance(s, str)]
     if bad:
         raise HeteroSpecError(f"stop strings must be str, not {type(bad[0]).__name__} ({bad[0]!r})")
-    return tuple(stop)
+    return stop
 
 
 def token_ids(prompt: Any, n_vocab: int, name: str = "prompt") -> list[int]:
@@ -47,7 +52,7 @@ def token_ids(prompt: Any, n_vocab: int, name: str = "prompt") -> list[int]:
         raise HeteroSpecError(f"{name} must be a str or a list of token ids, not {type(prompt).__name__}")
     ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if not whole(t):
             raise HeteroSpecError(f"{name}: token ids must be whole numbers, not {t!r}")
         if not 0 <= t < n_vocab:
             raise HeteroSpecError(f"{name}: token id {t} is outside the vocabulary (0..{n_vocab - 1})")

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import SamplingConfig
+from ..inputs import stop_strings
 
 MAX_STOP = 4  # the OpenAI API's limit
 
@@ -80,9 +81,7 @@ class GenerationFields(BaseModel):
         return stop
 
     def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return stop_strings(self.stop)
 
     def sampling(self, fresh_seed: int) -> SamplingConfig:
         """top_p 0 means "only the most likely token": greedy, as the OpenAI API treats it."""

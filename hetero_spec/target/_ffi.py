@@ -152,10 +152,27 @@ def _closed(what: str):
     raise Closed(f"the {what} is closed: it was used after close() or outside its with block")
 
 
-class ModelHandle:
+class _Freeable:
+    """A llama.cpp object's owner whose pointer ``close`` frees: a freed pointer handed to llama.cpp is a
+    segfault of the whole process, so ``ptr`` and what hangs off it (``_live``) raise ``Closed`` instead (an
+    object used after its ``close``, such as a lazy stream iterated after its ``with`` block)."""
+
+    _ptr = None
+    _what = "object"
+
+    @property
+    def ptr(self):
+        return self._ptr or _closed(self._what)
+
+    def _live(self, value):
+        return value if self._ptr else _closed(self._what)
+
+
+class ModelHandle(_Freeable):
     """Owns a ``llama_model``; must outlive every context made from it."""
 
-    _ptr = _vocab = None
+    _vocab = None
+    _what = "model"
 
     def __init__(self, path: Path, *, vocab_only: bool = False) -> None:
         check_gguf_header(path)
@@ -179,15 +196,9 @@ class ModelHandle:
         self._vocab = C.llama_model_get_vocab(self._ptr)
         self._eog: dict[int, bool] = {}
 
-    # A freed pointer handed to llama.cpp is a segfault of the whole process: an object used after its
-    # ``close`` (a lazy stream iterated after its ``with`` block) raises instead.
-    @property
-    def ptr(self):
-        return self._ptr or _closed("model")
-
     @property
     def vocab(self):
-        return self._vocab if self._ptr else _closed("model")
+        return self._live(self._vocab)
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation, remembered per id: asked for every emitted token, and
@@ -215,10 +226,11 @@ class ModelHandle:
             self._ptr = None
 
 
-class ContextHandle:
+class ContextHandle(_Freeable):
     """Owns a ``llama_context``; closed before its model."""
 
-    _ptr = _memory = None
+    _memory = None
+    _what = "context"
 
     def __init__(
         self,
@@ -256,12 +268,8 @@ class ContextHandle:
         self._memory = C.llama_get_memory(self._ptr)
 
     @property
-    def ptr(self):
-        return self._ptr or _closed("context")
-
-    @property
     def memory(self):
-        return self._memory if self._ptr else _closed("context")
+        return self._live(self._memory)
 
     def close(self) -> None:
         if self._ptr:

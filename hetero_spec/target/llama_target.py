@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint
+from ..config import DEFAULT_KV_TYPE, KV_TYPES, TargetFingerprint, usable_cpu_set
 from . import _ffi
 from ..errors import ContextFull, TargetError
 from ._ffi import C, BatchHandle, ContextHandle, ModelHandle, Owners
@@ -42,13 +41,8 @@ def default_threads() -> int:
 def physical_cores(cpus: set[int] | None = None) -> int:
     """Distinct cores among ``cpus`` (default: the affinity mask), from ``/sys``; the CPUs' count where the
     kernel does not say."""
-    if cpus is None:
-        try:
-            cpus = os.sched_getaffinity(0)
-        except AttributeError:  # not Linux
-            cpus = set(range(os.cpu_count() or 1))
     cores = set()
-    for cpu in cpus:
+    for cpu in usable_cpu_set() if cpus is None else cpus:
         try:
             cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
         except OSError:
