@@ -24,6 +24,7 @@ class Round:
     bytes_to_draft: int  # hidden-state rows (and their token ids) sent to the draft
     source: str = "draft"  # where the drafts came from: "draft" (the model), "lookup" (prompt lookup), "suffix"
     shadow: int = 0  # tokens a greedy probe drafted without verifying them (spec.shadow.ShadowChain)
+    levels: int = 0  # depths the draft model drafted (one forward each): a chain's k, a tree's depth; 0 for copies
 
 
 @dataclass

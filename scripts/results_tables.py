@@ -60,6 +60,7 @@ DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", 
 MADE = "make_draft/smollm2-q4_0-1h.report.json"  # make-draft --hours 1 on the default model
 TIME_TO_DRAFT = "make_draft/time-to-draft.json"  # scripts/project_make_draft.py on MADE
 MADE_BENCH = "bench/smollm2-q4_0-xeon-amx-vm-made-1h.json"
+SHAPES = "bench/smollm2-q4_0-epyc-laptop-shapes-darter.json"  # fixed shapes, projected on laptop-7b-q4_0
 STEP_DECAY_RUNS = "training/step-decay-seed1.json"  # trainer summaries of the four runs (``summaries`` below)
 STEP_DECAY = [("darter", "0.8"), ("darter", "0.5"), ("eagle3", "0.8"), ("eagle3", "0.5")]
 
@@ -235,6 +236,21 @@ def t_chain_k3_steep() -> str:
     curve = ("| t(n)/t(1), n = | 2 | 3 | 4 | 8 | t(1) |\n|---|---:|---:|---:|---:|---:|\n"
              f"| this host | {ratios} | {v['1']:.1f} ms |\n\n" + sources_footer(CURVE_STEEP))
     return curve + "\n\n" + t_chain_k3(CHAIN_STEEP)
+
+
+def t_laptop_shapes(rel: str = SHAPES) -> str:
+    """Fixed draft-model shapes: measured here, and their rounds replayed on the laptop's roofline curve."""
+    c, proj = summary(rel), {(p["method"], p["dataset"]): p for p in load(rel)["projections"]
+                             if p["curve"] == "laptop-7b-q4_0"}
+    tree = load(rel)["meta"]["tree"]
+    names = {"tree": f": {tree['total_tokens']} nodes, depth {tree['depth']}, {tree['top_k']} children"}
+    lines = ["| shape | tokens a round (all) | measured here (all) | "
+             + " | ".join(f"projected, {d}" for d in SETS4) + " |", "|---|---:|---:|" + "---:|" * len(SETS4)]
+    for m in [m for m in load(rel)["meta"]["methods"] if (m, "all") in proj]:
+        lines.append(f"| `{m}`{names.get(m, '')} | {f2(c[(m, 'all')]['mean_accepted_length'])} | "
+                     f"{x(c[(m, 'all')]['speedup'])} | " + " | ".join(x(proj[(m, d)]["projected_speedup"]) for d in SETS4)
+                     + " |")
+    return "\n".join(lines) + "\n\n" + bench_meta_line(rel) + "\n\n" + sources_footer(rel)
 
 
 def t_draft_acceptance() -> str:
@@ -467,6 +483,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "chain-k3": (t_chain_k3, [CHAIN]),
     "chain-k3-steep": (t_chain_k3_steep, [CURVE_STEEP, CHAIN_STEEP]),
     "draft-acceptance": (t_draft_acceptance, [CHAIN]),
+    "laptop-shapes": (t_laptop_shapes, [SHAPES]),
     "draft-step": (t_draft_step, [DRAFT_STEP]),
     "kernels": (t_kernels, [KERNELS]),
     "server-one-client": (t_server_one_client, [SERVER_ONE]),

@@ -9,10 +9,12 @@ memory-bound 7B laptop).  Replaying each prompt's ``Round`` records against a cu
 
 against plain decoding, which pays t(1) per token.  A round verifies drafted + 1 rows; a
 draft-model chain costs one draft step per drafted token, a shadow probe (no rows drafted)
-one step per token it drafted, a prompt-lookup round none; a round that ran the draft also pays
-the curve's ``draft_switch_ms`` once (its first forward right after a target decode).  Tree
-rounds are priced at one step per drafted node, an upper bound (a tree drafts a whole level per
-forward).  Prefill and the
+one step per token it drafted, a copied round (prompt lookup, suffix trees) none; a round that ran the draft also pays
+the curve's ``draft_switch_ms`` once (its first forward right after a target decode).  A tree
+round drafts a whole level per forward, as auto's cost model prices it: one step for its first
+depth, then one forward over each later depth's nodes (``draft_rows_ms``, taken at the tree's mean
+nodes per depth; where a curve has no row forwards, one step per node), from the depths the round
+recorded (``levels``; a bench.json from before it prices every node as a step).  Prefill and the
 orchestrator's own per-round overhead are left out: these are projections of decode speed,
 labelled as such wherever they are printed.
 
@@ -85,9 +87,14 @@ class Replay:
         return self.tokens / self.cost if self.cost > 0 else 0.0
 
 
+def _field(row: Sequence[Any], name: str, default: Any) -> Any:
+    """A round's field, or ``default`` in a bench.json written before the field existed."""
+    return row[_I[name]] if len(row) > _I[name] else default
+
+
 def _draft_steps(row: Sequence[Any]) -> int:
-    """Draft-model steps a recorded round ran: one per drafted token, a shadow probe's depth, none for lookup."""
-    if row[_I["source"]] == "lookup":
+    """Draft-model steps a recorded round ran: one per drafted token, a shadow probe's depth, none for a copy."""
+    if row[_I["source"]] in ("lookup", "suffix"):
         return 0
     if row[_I["drafted"]] > 0:
         return row[_I["drafted"]]
@@ -105,8 +112,13 @@ def round_cost(row: Sequence[Any], curve: CostCurve, catchup: int = 1) -> float:
         raise HeteroSpecError(f"a round cannot draft {drafted} tokens")
     steps = _draft_steps(row)
     draft_ms = 0.0
+    levels = _field(row, "levels", 0)
     if steps:
-        draft_ms = steps * curve.draft_step_ms + curve.draft_switch_ms
+        if 0 < levels < drafted:  # a tree: its first depth one step, each later depth one forward over its nodes
+            draft_ms = curve.draft_step_ms + (levels - 1) * curve.draft_rows_time_ms(-(-drafted // levels))
+        else:
+            draft_ms = steps * curve.draft_step_ms
+        draft_ms += curve.draft_switch_ms
         if catchup > 1 and curve.draft_rows_ms:
             draft_ms += curve.draft_rows_time_ms(catchup) - curve.draft_rows_time_ms(1)
     return curve.verify_ratio(drafted + 1) + draft_ms / curve.verify_ms[1]

@@ -22,7 +22,8 @@ Figures for ``LAPTOP_7B_Q4_0`` (each an assumption, stated so it can be changed)
   third, so 8 laptop cores give 0.5-0.9; we take 0.8;
 - draft step: an EAGLE-style draft for a 4096-wide target (one decoder block of 202 M
   parameters, the 2d -> d fusion of 34 M, an 8192-row reduced head of 34 M) in int8:
-  0.27 GB per step, 4.2 ms at 64 GB/s (its 0.54 GFLOP take 0.7 ms).
+  0.27 GB per step, 4.2 ms at 64 GB/s (its 0.54 GFLOP take 0.7 ms).  A forward over n rows (a
+  tree's depth) streams the same weights once, so it costs one step up to n = 6 rows.
 
 Regenerate the shipped JSON after changing a figure:
 ``python -m hetero_spec.bench.roofline > hetero_spec/bench/data/curves/laptop-7b-q4_0.json``.
@@ -49,12 +50,17 @@ class Roofline:
         return 1e3 * max(self.weight_bytes / self.bandwidth, n * 2 * self.params / self.compute)
 
     def draft_step_ms(self) -> float:
-        return 1e3 * max(self.draft_bytes / self.bandwidth, 2 * self.draft_params / self.compute)
+        return self.draft_rows_ms(1)
+
+    def draft_rows_ms(self, n: int) -> float:
+        """One draft forward over n rows: the same bound over the draft's weights and n rows of FLOPs."""
+        return 1e3 * max(self.draft_bytes / self.bandwidth, n * 2 * self.draft_params / self.compute)
 
     def curve(self, max_rows: int = MAX_ROWS) -> CostCurve:
         return CostCurve(
             verify_ms={n: round(self.verify_ms(n), 4) for n in range(1, max_rows + 1)},
             draft_step_ms=round(self.draft_step_ms(), 4),
+            draft_rows_ms={n: round(self.draft_rows_ms(n), 4) for n in range(1, max_rows + 1)},
             machine=(f"roofline: {self.bandwidth / 1e9:.0f} GB/s, {self.compute / 1e12:.2f} TFLOPS "
                      "(8-core AVX2 laptop, DDR5; see hetero_spec/bench/roofline.py)"),
             model=(f"{self.name}: {self.weight_bytes / 1e9:.2f} GB weights, {self.params / 1e9:.2f} B params; "

@@ -394,6 +394,7 @@ def _tree_round(
         overhead_s=time.perf_counter() - t0 - draft_s - verify_s,
         bytes_to_target=TOKEN_BYTES * tree.n,
         bytes_to_draft=pending.bytes_to_draft(),
+        levels=int(tree.depth.max()) if tree.n > 1 else 0,
     )
     return Step(emitted, rnd, stop), nxt, new_pending
 
@@ -647,6 +648,7 @@ def _spec_round(
         overhead_s=time.perf_counter() - t0 - draft_s - verify_s,
         bytes_to_target=TOKEN_BYTES * (k + 1),
         bytes_to_draft=pending.bytes_to_draft() if k else 0,
+        levels=k,
     )
     return Step(emitted, rnd, stop), nxt, new_pending
 

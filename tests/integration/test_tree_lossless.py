@@ -81,6 +81,9 @@ def test_oracle_tree_output_equals_plain(hs, plain_outputs, width, total, depth)
         seen |= {s.round.accepted for s in steps if s.round}
     assert len(seen) >= 3, f"acceptance lengths exercised: {seen}"
     assert width == 1 or any(s.round.drafted > depth for s in steps if s.round)  # branches were drafted
+    rounds = [s.round for s in steps if s.round and s.round.drafted]
+    assert all(1 <= r.levels <= min(depth, r.drafted) for r in rounds)  # one draft forward per depth, recorded
+    assert width == 1 or any(r.levels < r.drafted for r in rounds)
 
 
 @pytest.mark.parametrize("width, total", [(4, 16)])
