@@ -351,9 +351,7 @@ class Engine:
         for slot in self.scheduler.generating:
             if slot.suffix is None:
                 continue
-            req = slot.request
-            room = min(d.lookup_depth, req.max_new_tokens - len(req.out),
-                       self.target.seq_ctx - 1 - (slot.n_past + 1))
+            room = min(d.lookup_depth, self._room(slot))
             if room <= 0:
                 continue
             prop = slot.suffix.propose(tree=False, max_depth=room, peers=peers)
@@ -364,6 +362,12 @@ class Engine:
             fill = tokens[-1] if tokens else slot.pending
             out[slot] = Proposal(tokens + [fill] * (room - len(tokens)), sure, room, bucket)
         return out
+
+    def _room(self, slot: Slot) -> int:
+        """Drafts the slot may verify this step: no more than its request still takes, and none past its
+        last cell (its pending token takes cell ``n_past``, as ``x`` does in ``HeteroSpec``'s rounds)."""
+        req = slot.request
+        return max(0, min(req.max_new_tokens - len(req.out) - 1, self.target.seq_ctx - 1 - slot.n_past))
 
     def _draft_chains(self, copies: dict[Slot, Proposal]) -> dict[Slot, Proposal]:
         """The draft model's chains for generating greedy slots without a copy behind a long match, as deep as
@@ -388,9 +392,7 @@ class Engine:
         chains = self.draft.propose([s.seq for s in slots], k)
         out = {}
         for slot in slots:
-            req = slot.request
-            room = min(k, req.max_new_tokens - len(req.out), self.target.seq_ctx - 1 - (slot.n_past + 1))
-            tokens = chains.get(slot.seq, [])[:room]
+            tokens = chains.get(slot.seq, [])[:min(k, self._room(slot))]
             if tokens:
                 out[slot] = Proposal(tokens, len(tokens), len(tokens), NEURAL)
         return out
@@ -511,7 +513,7 @@ class Engine:
             _end(req, "eog")
         elif len(req.out) >= req.max_new_tokens:
             _end(req, "max_tokens")
-        elif len(req.prompt) + len(req.out) >= self.target.seq_ctx:
+        elif len(req.prompt) + len(req.out) > self.target.seq_ctx:  # its cell would lie past the last
             _end(req, "context_full")
         return token
 

@@ -17,6 +17,7 @@ import pytest
 from hetero_spec.config import SamplingConfig
 from hetero_spec.engine import Drafting, Engine, QueueFull, Request, StepCost
 from hetero_spec.engine.prompt_cache import PromptCache
+from hetero_spec.spec.orchestrator import generate_tokens
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
 
@@ -127,6 +128,34 @@ def test_seeded_sampling_equals_itself_alone(model_path, prompts):
         for _ in engine.run():
             pass
     assert crowd.out == alone and len(alone) > 1
+
+
+@pytest.mark.parametrize("lookup", [0, 4], ids=["plain", "lookup"])
+def test_an_answer_that_fills_its_slot_ends_where_plain_decoding_does(model_path, prompts, lookup):
+    """Its last token is picked with every cell of the slot held, as ``run``'s is at a full context; the
+    engine ended one token earlier.  With copies (the counting prompt repeats itself up to the end), no
+    draft row is placed past the slot's last cell."""
+    seq_ctx, prompts = 64, prompts[:4]  # the last prompt's answer ends (EOG) within 64 cells
+    with LlamaTarget(model_path, TargetOptions(n_ctx=seq_ctx, n_threads=1)) as alone:
+        plain = []
+        for p in prompts:
+            alone.reset()
+            steps = list(generate_tokens(alone, None, p, max_new_tokens=200, draft_len=0))
+            assert steps[-1].stop_reason == "context_full"
+            plain.append([t for s in steps for t in s.tokens])
+    with SequenceTarget(model_path, SequenceOptions(n_seq=2, seq_ctx=seq_ctx, n_threads=1)) as target:
+        engine = Engine(target, max_waiting=len(prompts),
+                        drafting=Drafting(lookup_depth=lookup, lookup_min_match=2, priced=False))
+        requests = [Request(p, 200) for p in prompts]
+        for r in requests:
+            engine.submit(r)
+        records = [rec for rec, _ in engine.run()]
+        assert_cells_hold_only_text(engine)
+    if lookup:
+        assert sum(rec.draft_rows for rec in records if rec) > 0
+    for req, out in zip(requests, plain):
+        assert (req.out, req.stop_reason) == (out, "context_full")
+        assert len(req.prompt) + len(req.out) == seq_ctx + 1
 
 
 def test_generate_many_fifo_queue_and_cancel(model_path, prompts, reference):
