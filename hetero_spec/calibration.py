@@ -156,15 +156,17 @@ def _interp(table: dict[int, float], n: int) -> float:
 
 # ------------------------------------------------------------------- measuring
 def machine_id(threads: int) -> str:
-    """Host name, CPU model and thread count: what makes a curve belong to this machine."""
+    """Host name, CPU model, thread count and kernel plan: what makes a curve belong to this machine.
+
+    t(n) depends on the kernels (a plain-CPU curve must not price a repacked run), so the plan is part of
+    the key, and it is put in force here when no model was loaded yet (as any load would): a key made
+    before a load then equals the one made after it.  Without that, a curve saved under a key made before
+    any load (``tests/curves.py`` writes one for a server subprocess to read) was never found."""
     from .cpu_features import cpu_info
-    from .target.kernels import applied_plan
+    from .target.kernels import apply_kernel_plan
 
     cpu = cpu_info()[0] or platform.processor() or platform.machine()
-
-    plan = applied_plan()  # t(n) depends on the kernels: a plain-CPU curve must not price a repacked run
-    kernels = f" | kernels {plan.mode}" if plan is not None else ""
-    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {threads} threads{kernels}"
+    return f"{platform.node()} | {cpu} | {os.cpu_count()} cpus | {threads} threads | kernels {apply_kernel_plan().mode}"
 
 
 def describe_files(target_path: str | Path, draft_path: str | Path | None) -> str:
