@@ -240,13 +240,13 @@ def t_chain_k3_steep() -> str:
 
 def t_laptop_shapes(rel: str = SHAPES) -> str:
     """Fixed draft-model shapes: measured here, and their rounds replayed on the laptop's roofline curve."""
-    c, proj = summary(rel), {(p["method"], p["dataset"]): p for p in load(rel)["projections"]
-                             if p["curve"] == "laptop-7b-q4_0"}
-    tree = load(rel)["meta"]["tree"]
+    data, c = load(rel), summary(rel)
+    proj = {(p["method"], p["dataset"]): p for p in data["projections"] if p["curve"] == "laptop-7b-q4_0"}
+    tree = data["meta"]["tree"]
     names = {"tree": f": {tree['total_tokens']} nodes, depth {tree['depth']}, {tree['top_k']} children"}
     lines = ["| shape | tokens a round (all) | measured here (all) | "
              + " | ".join(f"projected, {d}" for d in SETS4) + " |", "|---|---:|---:|" + "---:|" * len(SETS4)]
-    for m in [m for m in load(rel)["meta"]["methods"] if (m, "all") in proj]:
+    for m in [m for m in data["meta"]["methods"] if (m, "all") in proj]:
         lines.append(f"| `{m}`{names.get(m, '')} | {f2(c[(m, 'all')]['mean_accepted_length'])} | "
                      f"{x(c[(m, 'all')]['speedup'])} | " + " | ".join(x(proj[(m, d)]["projected_speedup"]) for d in SETS4)
                      + " |")
