@@ -50,6 +50,7 @@ SUFFIX_STEEP = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft-steep.json"  # 20 
 SUFFIX_CURVE_STEEP = "calibration/smollm2-q4_0-xeon-amx-vm-steep.json"  # no draft, the same host, the same session
 SUFFIX_REPLAY = "suffix/replay-steep.json"  # scripts/replay_suffix.py on that curve
 DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
+TREE_DRAFT = "draft_step/smollm2-q4_0-epyc-tree-draft.json"  # scripts/bench_tree_draft.py: native against torch
 KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
 SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
@@ -273,6 +274,23 @@ def t_draft_step() -> str:
             f"{d['rounds']} rounds, settings interleaved.\n\n" + sources_footer(DRAFT_STEP))
 
 
+def t_tree_draft() -> str:
+    """A greedy tree round's drafting through the native step and through torch, per tree shape."""
+    d = load(TREE_DRAFT)
+    lines = ["| tree (tokens, depth, top-k) | drafting a round, native / torch | a prompt, native / torch "
+             "| mean accepted length | equal to plain decoding |", "|---|---:|---:|---:|---:|"]
+    for row in d["trees"]:
+        t, n, o = row["tree"], row["native"], row["torch"]
+        lines.append(f"| {t['tokens']}, {t['depth']}, {t['top_k']} | {n['draft_ms_per_round']:.2f} / "
+                     f"{o['draft_ms_per_round']:.2f} ms | {n['wall_s_per_prompt']:.3f} / {o['wall_s_per_prompt']:.3f} s "
+                     f"| {n['mean_accepted_length']:.2f} / {o['mean_accepted_length']:.2f} "
+                     f"| {n['equal_to_plain'] + o['equal_to_plain']}/{n['runs'] + o['runs']} |")
+    m = d["meta"]
+    return ("\n".join(lines) + f"\n\nThe shipped darter on {m['model']}, greedy, {m['max_tokens']} new tokens, the "
+            f"first {m['n_prompts']} prompts of {' and '.join(m['sets'])}, {m['repeats']} passes, the two ways taking "
+            f"turns; medians.\n\n" + sources_footer(TREE_DRAFT))
+
+
 def t_kernels() -> str:
     d = load(KERNELS)
     modes = list(d["verify_ms"])
@@ -485,6 +503,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "draft-acceptance": (t_draft_acceptance, [CHAIN]),
     "laptop-shapes": (t_laptop_shapes, [SHAPES]),
     "draft-step": (t_draft_step, [DRAFT_STEP]),
+    "tree-draft": (t_tree_draft, [TREE_DRAFT]),
     "kernels": (t_kernels, [KERNELS]),
     "server-one-client": (t_server_one_client, [SERVER_ONE]),
     "server-slots": (t_server_slots, [SERVER_SLOTS]),

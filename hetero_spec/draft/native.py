@@ -2,7 +2,9 @@
 
 WHY: a torch draft step on the CPU is about 250 kernel calls around 9 matrix-vector products, and on a
 2-core machine their dispatch (2-4 us each), not the 9 MB of int8 weights, set the step's 1.5-2 ms
-(scripts/bench_draft_step.py).  The native chain runs k steps and their head argmaxes in one call.  Its head,
+(scripts/bench_draft_step.py).  The native chain runs k steps and their head argmaxes in one call; a greedy
+tree's real rows (``NativeChain.read``) and each of its levels (``NativeChain.nodes``) are a call each, for the
+same reason (scripts/bench_tree_draft.py).  Its head,
 half of those bytes, is int4 (its best 16 rows rescored in float): right after a target decode the weights
 come from memory, where bytes cost most (docs/bench.md, "The draft step").
 
@@ -121,6 +123,10 @@ def _load(march: str) -> ctypes.CDLL | None:
     i32 = ctypes.c_int32
     lib.draft_chain.argtypes = [ctypes.POINTER(_Model), p, i32, p, p, p, i32, i32, p, i32, p, i32, ctypes.c_float, p,
                                 ctypes.POINTER(i32)]
+    lib.draft_rows.restype = ctypes.c_int32
+    lib.draft_rows.argtypes = [ctypes.POINTER(_Model), p, i32, p, i32, i32, p, p]
+    lib.draft_nodes.restype = ctypes.c_int32
+    lib.draft_nodes.argtypes = [ctypes.POINTER(_Model), p, i32, p, i32, p, p, i32, p, p]
     lib.kernel_name.restype = ctypes.c_char_p
     lib.head_logits.restype = None
     lib.head_logits.argtypes = [ctypes.POINTER(_Model), p, p, i32]
@@ -266,6 +272,41 @@ class NativeChain:
         scale = self.arena.place(scale)
         self._keep += [packed, scale]
         return _QMat(packed.data_ptr(), scale.data_ptr(), None, None, None, out, n, 1, 4)
+
+    def read(self, rows: torch.Tensor, tokens: np.ndarray, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the target's real rows [m, input_size] float32 (and the token after each) into cells p0..p0+m-1;
+        returns the last one's state: x [hidden] (pre-norm) and its predicted feature [n_embd].  A tree round's
+        root (``DraftRunner.propose_tree``): the same cells ``run`` writes for its real rows."""
+        rows = rows.contiguous()
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        x = torch.empty(self._model.hidden, dtype=torch.float32)
+        feat = torch.empty(self._model.n_embd, dtype=torch.float32)
+        written = self.lib.draft_rows(ctypes.byref(self._model), rows.data_ptr(), rows.shape[0], tokens.ctypes.data, p0,
+                                      self.threads, x.data_ptr(), feat.data_ptr())
+        if written < 0:
+            raise ValueError("draft context is full")
+        return x, feat
+
+    def nodes(self, g: torch.Tensor, tokens: np.ndarray, p0: int, positions: np.ndarray, visible: np.ndarray
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One level of a greedy tree: its nodes' g [T, feature_size] float32 (their parents' drafted input) and
+        tokens [T], at RoPE ``positions`` [T], into cells p0..p0+T-1, node i attending to the cells ``visible``
+        [T, p0 + T] (bool) marks.  Returns every node's x [T, hidden] (pre-norm) and feature [T, n_embd]."""
+        g = g.detach().to(torch.float32).contiguous()
+        T = g.shape[0]
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        visible = np.ascontiguousarray(visible, dtype=np.uint8)
+        if tokens.shape != (T,) or positions.shape != (T,) or visible.shape != (T, p0 + T):
+            raise ValueError("a tree level needs a token, a position and a row of visible cells per node")
+        x = torch.empty(T, self._model.hidden, dtype=torch.float32)
+        feat = torch.empty(T, self._model.n_embd, dtype=torch.float32)
+        written = self.lib.draft_nodes(ctypes.byref(self._model), g.data_ptr(), T, tokens.ctypes.data, p0,
+                                       positions.ctypes.data, visible.ctypes.data, self.threads, x.data_ptr(),
+                                       feat.data_ptr())
+        if written < 0:
+            raise ValueError("draft context is full")
+        return x, feat
 
     def head_logits(self, feat: torch.Tensor) -> torch.Tensor:
         """The head's int4 or int8 logits of one feature [n_embd], before rescoring (the tests' view of the kernel)."""

@@ -321,7 +321,11 @@ struct Scratch {  // per-row buffers, [rows, width] each
 // Attention of ``rows`` query rows at cells p0.. over their cells 0..p0+i of one block, every head (GQA groups of
 // heads share a kv head).  The bias of a cell: log s_j (the importance gate) + the holes, with the denoising mask
 // of the last row's length for every row, as the torch forward of several rows (DraftRunner._bias).
-void attend(const Model& M, const Block& B, const float* QKV, int rows, int p0, float* out, Scratch& S, int nt) {
+//
+// ``visible`` [rows, p0 + rows] (a tree level's nodes, DraftRunner._forward_nodes): row i attends to the cells it
+// marks, instead of 0..p0+i.
+void attend(const Model& M, const Block& B, const float* QKV, int rows, int p0, float* out, Scratch& S, int nt,
+            const uint8_t* visible = nullptr) {
     const int hd = M.head_dim, nh = M.n_heads, nkv = M.n_kv, per = nh / nkv, width = (nh + 2 * nkv) * hd;
     const float scale = 1.0f / std::sqrt((float)hd);
     const int L = p0 + rows;
@@ -337,7 +341,8 @@ void attend(const Model& M, const Block& B, const float* QKV, int rows, int p0, 
     const float* bias = S.bias.data();
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int ih = 0; ih < rows * nh; ++ih) {
-        const int i = ih / nh, h = ih % nh, Li = p0 + i + 1;
+        const int i = ih / nh, h = ih % nh, Li = visible ? L : p0 + i + 1;
+        const uint8_t* vis = visible ? visible + (size_t)i * L : nullptr;
         const float* q = QKV + (size_t)i * width + (size_t)h * hd;
         const int kvh = h / per;
         const float* K = B.k_cache + (size_t)kvh * M.max_pos * hd;
@@ -349,7 +354,7 @@ void attend(const Model& M, const Block& B, const float* QKV, int rows, int p0, 
             float d = 0.f;
 #pragma omp simd reduction(+ : d)
             for (int t = 0; t < hd; ++t) d += q[t] * kj[t];
-            s[j] = d * scale + bias[j];
+            s[j] = (vis && !vis[j]) ? -INFINITY : d * scale + bias[j];
             mx = std::fmax(mx, s[j]);
         }
         float sum = 0.f;
@@ -370,8 +375,11 @@ void attend(const Model& M, const Block& B, const float* QKV, int rows, int p0, 
 }
 
 // ``rows`` positions p0..: their g [rows, feature] and tokens -> the last row's x (pre-norm, S.x) and feature
-// (S.feat); writes their cells.
-void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens, int rows, int p0, int nt) {
+// (S.feat); writes their cells.  A tree level (``pos`` and ``visible`` given): row i sits at RoPE position pos[i]
+// in cell p0+i and attends to the cells ``visible`` marks; every row's x stays in S.x [rows, hidden], and the
+// caller computes their features.
+void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens, int rows, int p0, int nt,
+               const int32_t* pos = nullptr, const uint8_t* visible = nullptr) {
     const int H = M.hidden, D = M.n_embd, hd = M.head_dim, half = hd / 2, F = M.ffn;
     const int nq = M.n_heads + M.n_kv, width = (M.n_heads + 2 * M.n_kv) * hd;
     const size_t R = rows;
@@ -409,10 +417,10 @@ void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens
         }
         matmul(B.qkv, XN, rows, S.qkv.data(), nt);
         for (int i = 0; i < rows; ++i) {
-            const int p = p0 + i;
+            const int p = p0 + i, rp = pos ? pos[i] : p;
             float* qkv = S.qkv.data() + (size_t)i * width;
-            const float* cos = M.rope_cos + (size_t)p * hd;
-            const float* sin = M.rope_sin + (size_t)p * hd;
+            const float* cos = M.rope_cos + (size_t)rp * hd;
+            const float* sin = M.rope_sin + (size_t)rp * hd;
             for (int h = 0; h < nq; ++h) {  // RoPE (rotate-half) on q and k
                 float* v = qkv + (size_t)h * hd;
                 for (int t = 0; t < half; ++t) {
@@ -433,7 +441,7 @@ void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens
                 B.log_gate[p] = log_sigmoid(z);
             }
         }
-        attend(M, B, S.qkv.data(), rows, p0, S.att.data(), S, nt);
+        attend(M, B, S.qkv.data(), rows, p0, S.att.data(), S, nt, visible);
         matmul(B.o, S.att.data(), rows, S.tmp.data(), nt);
         for (size_t t = 0; t < R * H; ++t) X[t] += S.tmp[t];
         for (int i = 0; i < rows; ++i) rms_norm(X + (size_t)i * H, B.ffn_norm, S.xn.data() + (size_t)i * H, H, M.eps);
@@ -446,6 +454,7 @@ void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens
         matmul(B.down, S.act.data(), rows, S.tmp.data(), nt);
         for (size_t t = 0; t < R * H; ++t) X[t] += S.tmp[t];
     }
+    if (visible) return;
     if (rows > 1) std::memmove(X, X + (R - 1) * H, H * sizeof(float));  // the last row's x leads (S.x[0..H))
     const float* f = X;
     if (M.final_norm) {
@@ -574,6 +583,53 @@ int32_t draft_chain(const Model* M, const float* G, int32_t rows, const int64_t*
         ++written;
     }
     return written;
+}
+
+// The target's real rows G [rows, input] (its taps, or its features) and their next tokens read into cells p0..:
+// the state of the last one, x_out [hidden] (pre-norm) and feat_out [n_embd].  A greedy tree round's root, read
+// as ``draft_chain`` reads a chain's; its levels follow through ``draft_nodes`` (DraftRunner.propose_tree).
+// Returns the cells written, or -1 where they do not fit.
+int32_t draft_rows(const Model* M, const float* G, int32_t rows, const int64_t* tokens, int32_t p0, int32_t threads,
+                   float* x_out, float* feat_out) {
+    thread_local Scratch S;
+    if (rows < 1 || p0 + rows > M->max_pos) return -1;
+    if (M->tap.w) {
+        S.g.resize((size_t)rows * M->tap.out);
+        matmul(M->tap, G, rows, S.g.data(), threads);
+        G = S.g.data();
+    }
+    step_rows(*M, S, G, tokens, rows, p0, threads);
+    std::memcpy(x_out, S.x.data(), M->hidden * sizeof(float));
+    std::memcpy(feat_out, S.feat.data(), M->n_embd * sizeof(float));
+    return rows;
+}
+
+// One level of a greedy tree (DraftRunner._forward_nodes): its nodes' g [rows, feature] (what their parents'
+// states give a child) and tokens, at RoPE positions pos [rows], in cells p0.., each attending to the cells
+// visible [rows, p0 + rows] marks (the real ones, its ancestors' and its own).  Writes their cells; x_out
+// [rows, hidden] (pre-norm) and feat_out [rows, n_embd] get every node's state.  Returns the cells written, or -1
+// where they do not fit.
+int32_t draft_nodes(const Model* M, const float* G, int32_t rows, const int64_t* tokens, int32_t p0, const int32_t* pos,
+                    const uint8_t* visible, int32_t threads, float* x_out, float* feat_out) {
+    thread_local Scratch S;
+    const int H = M->hidden, D = M->n_embd;
+    if (rows < 1 || p0 + rows > M->max_pos) return -1;
+    for (int i = 0; i < rows; ++i)
+        if (pos[i] < 0 || pos[i] >= M->max_pos) return -1;
+    step_rows(*M, S, G, tokens, rows, p0, threads, pos, visible);
+    std::memcpy(x_out, S.x.data(), (size_t)rows * H * sizeof(float));
+    const float* f = S.x.data();
+    if (M->final_norm) {
+        for (int i = 0; i < rows; ++i)
+            rms_norm(S.x.data() + (size_t)i * H, M->final_norm, S.xn.data() + (size_t)i * H, H, M->eps);
+        f = S.xn.data();
+    }
+    if (M->out_proj.w) {
+        matmul(M->out_proj, f, rows, feat_out, threads);
+    } else {
+        std::memcpy(feat_out, f, (size_t)rows * D * sizeof(float));
+    }
+    return rows;
 }
 
 // The head's logits (before rescoring) of one feature: how the tests check the int4 and int8 kernels' arithmetic.

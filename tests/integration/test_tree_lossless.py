@@ -501,3 +501,30 @@ def test_auto_without_its_draft_model_drafts_by_lookup_alone_and_equals_plain(hs
     assert sum(r.bytes_to_draft for r in out.stats.rounds) == 0 and asked == []
     with pytest.raises(HeteroSpecError, match="draft_len 'auto'"):
         hs.generate(prompt, max_new_tokens=8, draft_len=3, draft_model=False)
+
+
+def test_tree_draft_bench_runs_both_ways_and_both_equal_plain_decoding(model_path, tmp_path):
+    """``scripts/bench_tree_draft.py`` (docs/bench.md's tree-draft table) on the shipped darter: greedy trees
+    drafted through the native step and through torch, each output equal to plain decoding's, and the figures
+    written with the command that reproduces them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "tree.json"
+    res = subprocess.run([sys.executable, str(root / "scripts" / "bench_tree_draft.py"), str(model_path),
+                          str(root / "drafts" / "smollm2-135m-darter.safetensors"), "--shape", "4,2,2", "--n-prompts",
+                          "1", "--max-tokens", "24", "--repeats", "1", "--json", str(out)],
+                         capture_output=True, text=True, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    (row,) = data["trees"]
+    assert row["tree"] == {"tokens": 4, "depth": 2, "top_k": 2}
+    for way in ("native", "torch"):
+        figures = row[way]
+        assert figures["runs"] == 2 and figures["equal_to_plain"] == 2  # one mt_bench and one gsm8k prompt
+        assert figures["rounds"] > 0 and figures["draft_ms_per_round"] > 0
+        assert 1.0 <= figures["mean_accepted_length"] <= 3.0  # at most both levels and the bonus token
+    assert "--shape 4,2,2" in data["meta"]["command"] and "tree 4,2,2: native" in res.stdout

@@ -275,3 +275,42 @@ def test_the_int4_head_is_the_default_and_needs_quantized_activations(lib):
     assert exact.head_bits == 8 and exact._model.rescore == native.RESCORE[8] < native.RESCORE[4]
     with pytest.raises(ValueError, match="quantized activations"):
         native.NativeChain(lib, model, None, DenoiseConfig(), threads=1, quantize_activations=False, head_bits=4)
+
+
+def test_a_greedy_tree_is_drafted_natively_like_torch(lib, monkeypatch):
+    """A greedy tree (top_k 2) reads its round's real rows through the native step when they are few
+    (``NATIVE_MAX_ROWS``; a backlog through torch), and forwards each level's nodes through it with their tree
+    mask and shared RoPE position.  With int8-exact weights and float activations (the same arithmetic) every
+    tree, its parents, its real-cell count and every cell the trees wrote equal the torch draft's."""
+    model = int8_exact(make_model(CFG))
+    feats, toks = rows(CFG, 40, seed=9)
+    ref, r = float_runner(model, DenoiseConfig()), float_runner(model, DenoiseConfig())
+    r._native = native.NativeChain(lib, r.model, r.cache, DenoiseConfig(), threads=2, quantize_activations=False)
+    reads, read = [], r._native.read
+    monkeypatch.setattr(r._native, "read", lambda rows_, tokens, p0: reads.append(len(tokens)) or read(rows_, tokens, p0))
+    levels, nodes = [], r._native.nodes
+    monkeypatch.setattr(r._native, "nodes", lambda g, *a: levels.append(len(g)) or nodes(g, *a))
+    for x in (ref, r):
+        x.prefill(feats[:8], toks[:8])
+    widths = set()
+    for a, b in [(8, 9), (9, 11), (11, 19), (19, 22), (22, 23)]:  # 1 and 2 rows, a backlog of 8, 3 and 1 rows
+        got = []
+        for x in (ref, r):
+            n = x.n
+            prop = x.propose_tree(feats[a:b], toks[a:b], top_k=2, total_tokens=5, depth=3)
+            got.append((prop.tokens.tolist(), prop.parents.tolist(), prop.n_real))
+            assert prop.n_real == n + (b - a)
+            written = x.n  # the real rows' cells, then the levels' nodes
+        for i in range(CFG.n_blocks):
+            for c, c_ref in ((r.cache.k[i], ref.cache.k[i]), (r.cache.v[i], ref.cache.v[i])):
+                torch.testing.assert_close(c[:, :, :written], c_ref[:, :, :written], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(r.cache.log_gate[i][:written], ref.cache.log_gate[i][:written], rtol=1e-4,
+                                       atol=1e-4)
+        assert written == ref.n == got[1][2] + 4  # two levels of two nodes each
+        for x in (ref, r):
+            x.rollback(got[1][2])
+        assert got[0] == got[1]
+        widths.add(len(got[1][0]) - 1)
+    assert reads == [1, 2, 3, 1]  # the backlog went through torch
+    assert levels == [2, 2] * 5  # every tree's two forwarded levels went through the native step
+    assert widths == {5}  # whole trees: the root's two children, two of theirs, one more
