@@ -468,6 +468,17 @@ void step_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens
     }
 }
 
+// The target's real rows G [rows, input] (its taps, through the taps' fc, or its features) at cells p0..: as
+// ``step_rows``, whose g they become.
+void read_rows(const Model& M, Scratch& S, const float* G, const int64_t* tokens, int rows, int p0, int nt) {
+    if (M.tap.w) {
+        S.g.resize((size_t)rows * M.tap.out);
+        matmul(M.tap, G, rows, S.g.data(), nt);
+        G = S.g.data();
+    }
+    step_rows(M, S, G, tokens, rows, p0, nt);
+}
+
 inline float dot(const float* a, const float* b, int n) {
     float d = 0.f;
 #pragma omp simd reduction(+ : d)
@@ -554,12 +565,7 @@ int32_t draft_chain(const Model* M, const float* G, int32_t rows, const int64_t*
     S.logits.resize(M->head.out);
     int p = p0, written = 0;
     if (rows > 0) {
-        if (M->tap.w) {
-            S.g.resize((size_t)rows * M->tap.out);
-            matmul(M->tap, G, rows, S.g.data(), threads);
-            G = S.g.data();
-        }
-        step_rows(*M, S, G, tokens, rows, p, threads);
+        read_rows(*M, S, G, tokens, rows, p, threads);
         p += rows;
         written += rows;
     } else {
@@ -593,12 +599,7 @@ int32_t draft_rows(const Model* M, const float* G, int32_t rows, const int64_t* 
                    float* x_out, float* feat_out) {
     thread_local Scratch S;
     if (rows < 1 || p0 + rows > M->max_pos) return -1;
-    if (M->tap.w) {
-        S.g.resize((size_t)rows * M->tap.out);
-        matmul(M->tap, G, rows, S.g.data(), threads);
-        G = S.g.data();
-    }
-    step_rows(*M, S, G, tokens, rows, p0, threads);
+    read_rows(*M, S, G, tokens, rows, p0, threads);
     std::memcpy(x_out, S.x.data(), M->hidden * sizeof(float));
     std::memcpy(feat_out, S.feat.data(), M->n_embd * sizeof(float));
     return rows;

@@ -316,9 +316,7 @@ class DraftRunner:
         """``propose`` through the native chain, the real rows included up to ``NATIVE_MAX_ROWS`` of them (a round's
         accepted tokens).  Returns the proposals (fewer than k where one's probability falls below ``p_min``) and
         the count of cells after the real rows."""
-        chain, head = self._native, self._head
-        if chain.cache is not self.cache:  # the engine swaps slots' caches in
-            chain.attach(self.cache)
+        chain, head = self._attached_native(), self._head
         n_real = self.cache.n + len(tokens)
         if len(tokens) > NATIVE_MAX_ROWS:  # a backlog (a prompt, rows after plain rounds): torch's matrix products
             x, feat = self._forward(self._real(features), self._tokens(tokens))
@@ -329,6 +327,12 @@ class DraftRunner:
                                      self.cache.n, k, head._extra, head.d2t_t, p_min)
         self.cache.n += written
         return ids, n_real
+
+    def _attached_native(self) -> native.NativeChain:
+        """The native step, pointed at this runner's cache (the engine swaps slots' caches in)."""
+        if self._native.cache is not self.cache:
+            self._native.attach(self.cache)
+        return self._native
 
     def _host_rows(self, features: np.ndarray, m: int) -> torch.Tensor:
         """The target's ``m`` real rows as the native step reads them: [m, input_size] float32 on the host."""
@@ -343,10 +347,8 @@ class DraftRunner:
         forward of a row or two is a few hundred small kernels; with its levels native too (``_forward_nodes``)
         a 3-node tree's drafting took 2.7 ms a round against 4.2 on a 2-core CPU (scripts/bench_tree_draft.py),
         where a native chain of the same depth takes 0.8."""
-        chain = self._native
-        if chain.cache is not self.cache:  # the engine swaps slots' caches in
-            chain.attach(self.cache)
-        x, feat = chain.read(self._host_rows(features, len(tokens)), np.asarray(tokens, dtype=np.int64), self.cache.n)
+        x, feat = self._attached_native().read(self._host_rows(features, len(tokens)), np.asarray(tokens, dtype=np.int64),
+                                               self.cache.n)
         self.cache.n += len(tokens)
         return x.to(self.dtype)[None, None], feat.to(self.dtype)[None, None]
 
@@ -422,12 +424,13 @@ class DraftRunner:
         greedy = sampling is None or sampling.greedy
         if not greedy and rng is None:
             raise DraftError("sampling proposals need a random generator")
-        if greedy and top_k == 1 and self._native is not None:  # a greedy chain: the native one (auto's chains)
+        native_step = greedy and self._native is not None  # greedy drafting on the CPU: the native step
+        if native_step and top_k == 1:  # a greedy chain: the native one (auto's chains)
             ids, n_real = self._propose_native(features, tokens, min(depth, total_tokens), p_min)
             n = len(ids)
             return TreeProposal(np.array([-1, *ids], dtype=np.int64), np.arange(-1, n, dtype=np.int64), [None] * (n + 1),
                                 n_real, max(0, n - 1))
-        if greedy and self._native is not None and m <= NATIVE_MAX_ROWS:
+        if native_step and m <= NATIVE_MAX_ROWS:
             x, feat = self._read_native(features, tokens)
         else:
             x, feat = self._forward(self._real(features), self._tokens(tokens))
@@ -447,7 +450,7 @@ class DraftRunner:
             if budget <= 0 or d == depth or not new:
                 break
             feats, gs = self._forward_nodes(new, toks, parents, slot_of, n_real, d, gs, frontier,
-                                            native=greedy and self._native is not None)
+                                            native=native_step)
             frontier = new
             forwards += 1
         return TreeProposal(np.array(toks, dtype=np.int64), np.array(parents, dtype=np.int64), qs, n_real, forwards)
@@ -510,10 +513,8 @@ class DraftRunner:
                 a = parents[a]
             visible[i, p0 + i] = True
         if native:
-            chain = self._native
-            if chain.cache is not self.cache:
-                chain.attach(self.cache)
-            x, feat = chain.nodes(f_in[0], tok_in[0].numpy(), p0, np.full(T, n_real + d - 1), visible.numpy())
+            x, feat = self._attached_native().nodes(f_in[0], tok_in[0].numpy(), p0, np.full(T, n_real + d - 1),
+                                                    visible.numpy())
             self.cache.n = L
             x, feat = x.to(self.dtype)[None], feat.to(self.dtype)[None]
         else:
