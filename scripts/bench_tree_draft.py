@@ -7,9 +7,9 @@ Per tree shape (``--shape TOKENS,DEPTH,TOP_K``, as ``--tree-tokens/--tree-depth/
 (the first ``--n-prompts`` of mt_bench and gsm8k) is generated greedily both ways, taking turns prompt by
 prompt so that a drifting machine moves both alike:
 
-  native  the runtime: the round's real rows read and every level's nodes forwarded by the native step
-          (``draft/native.py``; the levels' head and ranking stay torch's)
-  torch   the same draft with its native step taken away: torch's forward for the rows and each level
+  native  the runtime: the round's real rows read, every level's nodes forwarded and every level's head ranked
+          by the native step (``draft/native.py``)
+  torch   the same draft with its native step taken away: torch's forward and head for the rows and each level
 
 Prints per shape and way the median draft time of a tree round (``Round.draft_s``: the rows read, every
 level's forward and head), the median wall time of a prompt, the mean accepted length, and how many outputs

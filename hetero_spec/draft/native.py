@@ -3,8 +3,8 @@
 WHY: a torch draft step on the CPU is about 250 kernel calls around 9 matrix-vector products, and on a
 2-core machine their dispatch (2-4 us each), not the 9 MB of int8 weights, set the step's 1.5-2 ms
 (scripts/bench_draft_step.py).  The native chain runs k steps and their head argmaxes in one call; a greedy
-tree's real rows (``NativeChain.read``) and each of its levels (``NativeChain.nodes``) are a call each, for the
-same reason (scripts/bench_tree_draft.py).  Its head,
+tree's real rows (``NativeChain.read``), each of its levels (``NativeChain.nodes``) and each level's head ranking
+(``NativeChain.head_topk``) are a call each, for the same reason (scripts/bench_tree_draft.py).  Its head,
 half of those bytes, is int4 (its best 16 rows rescored in float): right after a target decode the weights
 come from memory, where bytes cost most (docs/bench.md, "The draft step").
 
@@ -127,6 +127,8 @@ def _load(march: str) -> ctypes.CDLL | None:
     lib.draft_rows.argtypes = [ctypes.POINTER(_Model), p, i32, p, i32, i32, p, p]
     lib.draft_nodes.restype = ctypes.c_int32
     lib.draft_nodes.argtypes = [ctypes.POINTER(_Model), p, i32, p, i32, p, p, i32, p, p]
+    lib.head_topk.restype = ctypes.c_int32
+    lib.head_topk.argtypes = [ctypes.POINTER(_Model), p, i32, p, i32, i32, i32, p, p]
     lib.kernel_name.restype = ctypes.c_char_p
     lib.head_logits.restype = None
     lib.head_logits.argtypes = [ctypes.POINTER(_Model), p, p, i32]
@@ -307,6 +309,25 @@ class NativeChain:
         if written < 0:
             raise ValueError("draft context is full")
         return x, feat
+
+    def head_topk(self, feats: torch.Tensor, k: int, extra: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+        """A greedy tree level's ranking: for each feature of ``feats`` [B, n_embd], its ``k`` best head rows (the
+        context head's ``extra`` [n, n_embd] rows numbered after the head's), best first, [B, k'] int64, and their
+        probabilities over every row, [B, k'] float64 (k' = k, or fewer where there are fewer rows).  The head's
+        best rows are rescored in float, as ``run``'s chain does, so the first row is the chain's token."""
+        feats = feats.detach().to(torch.float32).contiguous()
+        B = feats.shape[0]
+        rows = np.empty((B, k), dtype=np.int32)
+        probs = np.empty((B, k), dtype=np.float32)
+        n_extra = 0 if extra is None else extra.shape[0]
+        if extra is not None:
+            extra = extra.detach().to(torch.float32).contiguous()
+        kk = self.lib.head_topk(ctypes.byref(self._model), feats.data_ptr(), B,
+                                None if extra is None else extra.data_ptr(), n_extra, k, self.threads,
+                                rows.ctypes.data, probs.ctypes.data)
+        if kk < 0:
+            raise ValueError(f"the native head ranks at most {MAX_RESCORE} rows, not {k}")
+        return rows[:, :kk].astype(np.int64), probs[:, :kk].astype(np.float64)
 
     def head_logits(self, feat: torch.Tensor) -> torch.Tensor:
         """The head's int4 or int8 logits of one feature [n_embd], before rescoring (the tests' view of the kernel)."""

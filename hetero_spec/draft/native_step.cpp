@@ -13,9 +13,11 @@
 // weights read per step, may be int4 (native.py's default): its argmax is rescored from more rows instead.
 //
 // Built by hetero_spec/draft/native.py with: g++ -O3 -march=<native|x86-64-v3|...> -fopenmp -shared -fPIC
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -490,15 +492,11 @@ inline float dot(const float* a, const float* b, int n) {
 // rows added for tokens of the text (extra [n_extra, n_embd] float32), which win only when strictly higher.
 // With ``p_min`` > 0, ``*p_best`` is the best row's softmax probability over every row (the int8 logits
 // outside the rescored best): llama.cpp's draft-p-min stops a chain below it.
-int64_t best_token(const Model& M, Scratch& S, const float* feat, const float* extra, int n_extra, const int64_t* d2t,
-                   int nt, float p_min, float* p_best) {
-    const int D = M.n_embd, R = M.rescore;
-    float* lg = S.logits.data();
-    matmul(M.head, feat, 1, lg, nt);
-    int top[64];
-    float val[64];
+// The R largest of a row's n logits, sorted descending (of equal ones the lower row first): rows in top, logits in
+// val; returns how many (R, or n where fewer).
+int top_rows(const float* lg, int n_rows, int R, int* top, float* val) {
     int n = 0;
-    for (int r = 0; r < M.head.out; ++r) {  // the R largest int8 logits, kept sorted descending
+    for (int r = 0; r < n_rows; ++r) {
         const float v = lg[r];
         if (n == R && v <= val[R - 1]) continue;
         int i = (n < R) ? n++ : R - 1;
@@ -510,6 +508,17 @@ int64_t best_token(const Model& M, Scratch& S, const float* feat, const float* e
         val[i] = v;
         top[i] = r;
     }
+    return n;
+}
+
+int64_t best_token(const Model& M, Scratch& S, const float* feat, const float* extra, int n_extra, const int64_t* d2t,
+                   int nt, float p_min, float* p_best) {
+    const int D = M.n_embd;
+    float* lg = S.logits.data();
+    matmul(M.head, feat, 1, lg, nt);
+    int top[64];
+    float val[64];
+    const int n = top_rows(lg, M.head.out, M.rescore, top, val);
     int best = -1;
     float score = -INFINITY;
     for (int i = 0; i < n; ++i) {
@@ -631,6 +640,58 @@ int32_t draft_nodes(const Model* M, const float* G, int32_t rows, const int64_t*
         std::memcpy(feat_out, f, (size_t)rows * D * sizeof(float));
     }
     return rows;
+}
+
+// A greedy tree level's ranking (DraftRunner.propose_tree): for each of ``rows`` features feat [rows, n_embd], its
+// ``k`` best rows over the head and the added rows extra [n_extra, n_embd] (numbered from the head's row count on,
+// as best_token numbers them), best first, in out_rows [rows, k], and their softmax probabilities over every row
+// in out_probs [rows, k].  The head's best ``rescore`` rows are rescored in float, as best_token does, so the
+// first is the chain's token; every other row enters the normaliser with its quantized logit.  Returns how many
+// per row (k, or fewer where the head and the added rows hold fewer candidates), or -1 where k exceeds the
+// rescored rows' buffer.
+int32_t head_topk(const Model* M, const float* feat, int32_t rows, const float* extra, int32_t n_extra, int32_t k,
+                  int32_t threads, int32_t* out_rows, float* out_probs) {
+    thread_local Scratch S;
+    const int D = M->n_embd, NH = M->head.out;
+    if (k < 1 || k > 64) return -1;
+    S.logits.resize((size_t)rows * NH);
+    matmul(M->head, feat, rows, S.logits.data(), threads);
+    std::vector<std::pair<float, int>> cand;
+    int kk = 0;
+    for (int r = 0; r < rows; ++r) {
+        const float* lg = S.logits.data() + (size_t)r * NH;
+        const float* f = feat + (size_t)r * D;
+        int top[64];
+        float val[64];
+        const int n = top_rows(lg, NH, M->rescore, top, val);
+        cand.clear();
+        float m = n > 0 ? val[0] : -INFINITY;
+        for (int i = 0; i < n; ++i) {
+            const float s = dot(M->head_f32 + (size_t)top[i] * D, f, D);
+            cand.emplace_back(s, top[i]);
+            m = std::fmax(m, s);
+        }
+        for (int j = 0; j < n_extra; ++j) {
+            const float s = dot(extra + (size_t)j * D, f, D);
+            cand.emplace_back(s, NH + j);
+            m = std::fmax(m, s);
+        }
+        float head_sum = 0.f;  // every head row's quantized logit, the rescored ones' replaced by their float scores
+#pragma omp simd reduction(+ : head_sum)
+        for (int q = 0; q < NH; ++q) head_sum += std::exp(lg[q] - m);
+        double sum = head_sum;
+        for (int i = 0; i < n; ++i) sum -= std::exp((double)val[i] - m);
+        for (const auto& c : cand) sum += std::exp((double)c.first - m);
+        kk = std::min<int>(k, (int)cand.size());
+        std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), [](const auto& a, const auto& b) {
+            return a.first > b.first || (a.first == b.first && a.second < b.second);
+        });
+        for (int i = 0; i < kk; ++i) {
+            out_rows[(size_t)r * k + i] = cand[i].second;
+            out_probs[(size_t)r * k + i] = (float)(std::exp((double)cand[i].first - m) / sum);
+        }
+    }
+    return kk;
 }
 
 // The head's logits (before rescoring) of one feature: how the tests check the int4 and int8 kernels' arithmetic.

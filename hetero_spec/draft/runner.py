@@ -344,9 +344,9 @@ class DraftRunner:
     def _read_native(self, features: np.ndarray, tokens: np.ndarray | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A greedy tree's root: its few real rows (``NATIVE_MAX_ROWS``) read by the native step, as a chain's
         are; x [1, 1, hidden] and feat [1, 1, n_embd] of the last, as ``_forward``'s last row.  WHY: torch's
-        forward of a row or two is a few hundred small kernels; with its levels native too (``_forward_nodes``)
-        a 3-node tree's drafting took 2.7 ms a round against 4.2 on a 2-core CPU (scripts/bench_tree_draft.py),
-        where a native chain of the same depth takes 0.8."""
+        forward of a row or two is a few hundred small kernels; with its levels (``_forward_nodes``) and their
+        head (``NativeChain.head_topk``) native too, a tree round's drafting costs well under half of torch's
+        (scripts/bench_tree_draft.py, docs/bench.md)."""
         x, feat = self._attached_native().read(self._host_rows(features, len(tokens)), np.asarray(tokens, dtype=np.int64),
                                                self.cache.n)
         self.cache.n += len(tokens)
@@ -441,8 +441,12 @@ class DraftRunner:
         slot_of: dict[int, int] = {}  # node -> cache slot of its forwarded cell
         frontier, budget, forwards = [0], total_tokens, 0
         for d in range(1, depth + 1):
-            local = self._frontier_probs(feats, sampling, greedy)  # [B, n_head] float64
-            top_p, top_i = _topk_rows(local, top_k)  # [B, K] each, probabilities descending
+            if native_step:  # the head's best rows, rescored, as a chain's step ranks them
+                top_i, top_p = self._attached_native().head_topk(feats, top_k, self._head._extra)
+                local = None
+            else:
+                local = self._frontier_probs(feats, sampling, greedy)  # [B, n_head] float64
+                top_p, top_i = _topk_rows(local, top_k)  # [B, K] each, probabilities descending
             if top_p[:, 0].max() < p_min:
                 break
             new = self._fill_slots(frontier, local, top_p, top_i, min(top_k, budget), greedy, rng, toks, parents, score, qs)
@@ -464,7 +468,9 @@ class DraftRunner:
         return np.stack([process_logits(r, sampling) for r in rows])
 
     def _fill_slots(self, frontier, local, top_p, top_i, n_slots, greedy, rng, toks, parents, score, qs) -> list[int]:
-        """Pick the best ``n_slots`` (node, rank) slots, then fill them; returns the new nodes."""
+        """Pick the best ``n_slots`` (node, rank) slots, then fill them; returns the new nodes.  ``local``: each
+        frontier node's distribution over the head rows, which a sampled tree draws from (greedy trees read only
+        ``top_p`` and ``top_i``: None there)."""
         B, K = top_p.shape
         with np.errstate(divide="ignore"):
             slot_score = np.array([score[u] for u in frontier])[:, None] + np.log(top_p)  # [B, K]
@@ -478,16 +484,17 @@ class DraftRunner:
             if c == 0:
                 continue
             if greedy:
-                picks = top_i[b, :c]
+                picks, probs = top_i[b, :c], top_p[b, :c]
             else:
                 picks = draw_without_replacement(local[b], c, rng)
+                probs = local[b, picks]
                 q = np.zeros(self.cfg.n_vocab, dtype=np.float64)
                 q[d2t] = local[b]
                 qs[u] = q
-            for h in picks:
+            for h, prob in zip(picks, probs):
                 toks.append(int(d2t[int(h)]))
                 parents.append(u)
-                score.append(score[u] + float(np.log(local[b, int(h)])))
+                score.append(score[u] + float(np.log(prob)))
                 qs.append(None)
                 new.append(len(toks) - 1)
         return new

@@ -188,6 +188,37 @@ def test_native_head_picks_the_float_argmax_over_draft_and_context_rows(lib):
     assert context_picks > 0  # the context rows did win some of the time
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["int8-exact-float-activations", "int4-head"])
+def test_native_head_ranks_a_tree_level_like_the_float_softmax(lib, quantized):
+    """A greedy tree level's ranking (``NativeChain.head_topk``) over the head's and the context rows: on int8-exact
+    weights with float activations, the float softmax's best rows and probabilities; with the int4 head, whose best
+    rows are rescored in float, its first row is the chain's token and its probabilities stay near the float ones."""
+    model = make_model(CFG)
+    if not quantized:
+        model = int8_exact(model)
+    r = float_runner(model, DenoiseConfig())
+    r._native = native.NativeChain(lib, r.model, r.cache, DenoiseConfig(), threads=2, quantize_activations=quantized)
+    outside = sorted(set(range(V)) - set(model.d2t.tolist()))[:20]
+    r.add_context(outside)
+    head, chain = r._head, r._native
+    feats = torch.from_numpy(np.random.default_rng(5).standard_normal((12, D)).astype(np.float32))
+    top_i, top_p = chain.head_topk(feats, 4, head._extra)
+    assert top_i.shape == top_p.shape == (12, 4)
+    probs = torch.softmax(torch.cat([feats @ model.head.t(), feats @ head._extra.t()], dim=-1).double(), -1).numpy()
+    want_p, want_i = np.sort(probs, 1)[:, ::-1][:, :4], np.argsort(-probs, 1, kind="stable")[:, :4]
+    assert (np.diff(top_p, axis=1) <= 0).all() and (top_p.sum(1) <= 1 + 1e-6).all()
+    assert (top_i >= len(model.d2t)).any()  # context rows ranked among the best
+    if not quantized:
+        assert (top_i == want_i).all()
+        np.testing.assert_allclose(top_p, want_p, rtol=1e-4, atol=1e-6)
+        return
+    for b in range(len(feats)):
+        ids, _ = chain.run(None, None, 0, 1, head._extra, head.d2t_t, x0=torch.zeros(D), feat0=feats[b])
+        assert head.d2t[top_i[b, 0]] == ids[0]
+    np.testing.assert_allclose(top_p[:, 0], want_p[:, 0], atol=0.05)
+    assert (top_i[:, 0] == want_i[:, 0]).mean() >= 0.9
+
+
 def test_int8_runner_takes_the_native_chain_unless_turned_off(monkeypatch):
     """``dtype int8-full`` on the CPU runs its chains natively (the float draft's proposals on most steps);
     ``HETERO_SPEC_NATIVE_DRAFT=0`` keeps the torch int8 step; eagle3's fusion, which the native step lacks,
