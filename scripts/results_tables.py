@@ -55,6 +55,7 @@ KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
 SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
 SERVER_SLOTS_STEEP = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients-steep.json"  # the same command, steeper host
+SERVER_SLOTS_EPYC = "server/smollm2-q4_0-epyc-batched-8-clients.json"  # the same parts and the 1-client one, AMD EPYC
 ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-draft.json"
 CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
 DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
@@ -508,6 +509,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "server-one-client": (t_server_one_client, [SERVER_ONE]),
     "server-slots": (t_server_slots, [SERVER_SLOTS]),
     "server-slots-steep": ((lambda: t_server_slots(SERVER_SLOTS_STEEP)), [SERVER_SLOTS_STEEP]),
+    "server-slots-epyc": ((lambda: t_server_slots(SERVER_SLOTS_EPYC)), [SERVER_SLOTS_EPYC]),
     "server-interleaved": (t_server_interleaved, [SERVER_SLOTS_STEEP]),
     "server-engine": (t_server_engine, [ENGINE]),
     "cross-thread": (t_cross_thread, [CROSS]),
