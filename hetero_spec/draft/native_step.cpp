@@ -488,10 +488,6 @@ inline float dot(const float* a, const float* b, int n) {
     return d;
 }
 
-// The target id of the feature's best row: the int8 head's best ``rescore`` rows rescored in float, then the
-// rows added for tokens of the text (extra [n_extra, n_embd] float32), which win only when strictly higher.
-// With ``p_min`` > 0, ``*p_best`` is the best row's softmax probability over every row (the int8 logits
-// outside the rescored best): llama.cpp's draft-p-min stops a chain below it.
 // The R largest of a row's n logits, sorted descending (of equal ones the lower row first): rows in top, logits in
 // val; returns how many (R, or n where fewer).
 int top_rows(const float* lg, int n_rows, int R, int* top, float* val) {
@@ -511,6 +507,10 @@ int top_rows(const float* lg, int n_rows, int R, int* top, float* val) {
     return n;
 }
 
+// The target id of the feature's best row: the int8 head's best ``rescore`` rows rescored in float, then the
+// rows added for tokens of the text (extra [n_extra, n_embd] float32), which win only when strictly higher.
+// With ``p_min`` > 0, ``*p_best`` is the best row's softmax probability over every row (the int8 logits
+// outside the rescored best): llama.cpp's draft-p-min stops a chain below it.
 int64_t best_token(const Model& M, Scratch& S, const float* feat, const float* extra, int n_extra, const int64_t* d2t,
                    int nt, float p_min, float* p_best) {
     const int D = M.n_embd;

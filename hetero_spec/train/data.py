@@ -44,8 +44,10 @@ def load_split(folders: str | Path | list, *, max_len: int, held_out: float, see
         first = next(iter_sequences(folder, mmap=True, keys=set(keys)), None)
         missing = [k for k in keys if first is not None and k not in first.extras]
         if missing:
-            raise HeteroSpecError(f"{folder} holds no {', '.join(missing)} (export it with --taps "
-                                  f"{','.join(map(str, taps))}, or train a draft without taps)")
+            t = ",".join(map(str, taps))
+            raise HeteroSpecError(f"{folder} holds no {', '.join(missing)} (make it with generate-corpus --taps {t}, "
+                                  f"or add them to a generate-corpus folder with export-features --corpus FOLDER "
+                                  f"--taps {t}; or train a draft without taps)")
     split = Split([], [])
     for folder in folders:
         seqs = []

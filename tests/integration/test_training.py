@@ -159,6 +159,19 @@ def test_train_cli_refuses_a_missing_dataset_in_one_line(model_path, tmp_path):
     assert "not a feature dataset" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_a_folder_without_the_drafts_taps_is_refused_naming_the_commands_that_make_them(features):
+    """Features exported from text (``export-features`` without ``--corpus``) hold no block inputs: training a
+    draft with taps on them is refused in one line that names the commands which do store them."""
+    from hetero_spec.errors import HeteroSpecError
+    from hetero_spec.train.data import load_split
+
+    with pytest.raises(HeteroSpecError) as err:
+        load_split(features, max_len=1024, held_out=0.2, seed=3, taps=(2, 15, 27))
+    msg = str(err.value)
+    assert "holds no tap_2, tap_15, tap_27" in msg and "\n" not in msg
+    assert "generate-corpus --taps 2,15,27" in msg and "export-features --corpus FOLDER --taps 2,15,27" in msg
+
+
 def test_several_folders_train_together_and_each_keeps_its_own_held_out_split(features):
     from hetero_spec.train.data import load_split
 
