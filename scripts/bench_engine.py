@@ -10,10 +10,14 @@ last row lets the engine draft (suffix-match copies priced on the batch, ``engin
 its start-up probe of step costs.  With ``--draft``, three more: the draft model's chains (up to 4 deep,
 priced on the batch) with 1 and with N slots, and N slots drafting 3 every step (unpriced), each with its
 acceptance and the draft's measured step time.
+
+``--passes N`` runs every configuration once per pass, the order rotated pass by pass so that a drifting
+machine slows them alike, and reports each figure's median over the passes (the JSON keeps every pass too).
 """
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -64,6 +68,16 @@ def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, 
             "drafted": draft_rows, "accepted": accepted, "draft_step_ms": step_ms}
 
 
+MEDIAN_KEYS = ("wall_s", "decode_s", "steps", "rows_per_step", "plain_step_ms", "generated_tps", "drafted", "accepted",
+               "draft_step_ms")
+
+
+def _median(values: list):
+    """The median of one figure over the passes (None where a configuration has no such figure)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 @click.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--slots", default=4, show_default=True, type=click.IntRange(2, 32))
@@ -72,18 +86,27 @@ def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, 
 @click.option("--threads", "-t", default=0, show_default=True, help="0: every core")
 @click.option("--draft", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a draft file: also run its chains in the slots")
+@click.option("--passes", default=1, show_default=True, type=click.IntRange(1),
+              help="runs of every configuration, interleaved; figures are medians")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="write the rows here")
-def main(model, slots, prompts, max_tokens, threads, draft, json_out):
+def main(model, slots, prompts, max_tokens, threads, draft, passes, json_out):
     turns = [json.loads(ln)["turns"][0] for ln in shipped_text("mt_bench").splitlines() if ln.strip()][:prompts]
     configs = [(1, 0, None, 0, True, "plain rows"), (slots, 0, None, 0, True, "plain rows"),
                (slots, 16, None, 0, True, "copy drafts priced on the batch")]
     if draft is not None:
         configs += [(1, 0, draft, 4, True, "draft model priced"), (slots, 0, draft, 4, True, "draft model priced"),
                     (slots, 0, draft, 3, False, "draft model, 3 every step")]
+    runs: list[list[dict]] = [[] for _ in configs]
+    for p in range(passes):  # every configuration once a pass, the first one rotating
+        for i in [(p + j) % len(configs) for j in range(len(configs))]:
+            n_seq, depth, d, k, priced, _ = configs[i]
+            runs[i].append(run(model, n_seq, depth, turns, max_tokens, threads, d, k, priced))
     rows = []
-    for n_seq, depth, d, k, priced, label in configs:
-        r = run(model, n_seq, depth, turns, max_tokens, threads, d, k, priced)
-        rows.append({**r, "label": label})
+    for (n_seq, depth, d, k, priced, label), rs in zip(configs, runs):
+        r = {**rs[0], **{key: _median([x[key] for x in rs]) for key in MEDIAN_KEYS}, "label": label}
+        if passes > 1:
+            r["passes"] = rs
+        rows.append(r)
         extra = ""
         if d is not None:
             extra = (f"; {r['drafted']} drafted, {r['accepted']} accepted, draft step "
@@ -94,7 +117,8 @@ def main(model, slots, prompts, max_tokens, threads, draft, json_out):
     if json_out:
         command = (f'python scripts/bench_engine.py "$(python scripts/default_model.py)" --slots {slots} --prompts '
                    f'{prompts} --max-tokens {max_tokens}' + (f" -t {threads}" if threads else "")
-                   + (f" --draft {draft}" if draft else "") + f" --json {json_out}")
+                   + (f" --draft {draft}" if draft else "") + (f" --passes {passes}" if passes > 1 else "")
+                   + f" --json {json_out}")
         json_out.write_text(json.dumps({"command": command, "rows": rows}, indent=1, default=str))
 
 

@@ -614,3 +614,28 @@ def test_answer_generator_hidden_states_even_for_one_token_answers(model_path, s
     finally:
         single.reset()
         single.set_embeddings(False)
+
+
+def test_the_engine_bench_interleaves_its_passes_and_reports_their_medians(model_path, tmp_path):
+    """``scripts/bench_engine.py --passes 2`` (docs/server.md's engine table): every configuration runs once a pass,
+    each figure is the median of its passes, and the command that reproduces the file is in it."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "engine.json"
+    res = subprocess.run([sys.executable, str(root / "scripts" / "bench_engine.py"), str(model_path), "--slots", "2",
+                          "--prompts", "2", "--max-tokens", "8", "-t", "1", "--passes", "2", "--json", str(out)],
+                         capture_output=True, text=True, cwd=root)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert "--passes 2" in data["command"]
+    assert [(r["slots"], r["label"]) for r in data["rows"]] == [(1, "plain rows"), (2, "plain rows"),
+                                                               (2, "copy drafts priced on the batch")]
+    for row in data["rows"]:
+        assert len(row["passes"]) == 2
+        for key in ("generated_tps", "wall_s", "decode_s"):
+            assert row[key] == statistics.median(p[key] for p in row["passes"]) > 0
+    assert len(res.stdout.strip().splitlines()) == 3  # one line a configuration: the medians
