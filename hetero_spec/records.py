@@ -24,7 +24,8 @@ class Round:
     bytes_to_draft: int  # hidden-state rows (and their token ids) sent to the draft
     source: str = "draft"  # where the drafts came from: "draft" (the model), "lookup" (prompt lookup), "suffix"
     shadow: int = 0  # tokens a greedy probe drafted without verifying them (spec.shadow.ShadowChain)
-    levels: int = 0  # depths the draft model drafted (one forward each): a chain's k, a tree's depth; 0 for copies
+    levels: int = 0  # draft-model forwards: a chain's k; a tree's first step and its batched forwards; 0 for copies
+    draft_rows: int = 0  # rows of a tree's batched forwards after its first step (0 for chains and copies)
 
 
 @dataclass

@@ -78,7 +78,8 @@ def bench() -> None:
 @click.option("--k", default=3, show_default=True, type=click.IntRange(1, 31), help="draft tokens per round (chain)")
 @click.option("--methods", default="raw,llama-cpp,prompt-lookup,chain", show_default=True,
               help="comma-separated from the registry (raw is always run: it is the baseline); also "
-                   "llama-server, llama.cpp-ngram, llama.cpp-draft, llama.cpp-eagle3 (scripts/build_llama_cpp.sh)")
+                   "llama-server, llama.cpp-ngram, llama.cpp-draft, llama.cpp-eagle3 (scripts/build_llama_cpp.sh), "
+                   "and fixed trees by shape: tree-t{tokens}-d{depth}-k{top_k}")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="threads for every method (0 = physical cores)")
 @click.option("--ctx", default=2048, show_default=True, type=click.IntRange(64), help="context size")
 @click.option("--draft-device", default="cpu", show_default=True)

@@ -9,14 +9,19 @@ shared ``BenchContext``.  Adding a hetero-spec variant is one entry, e.g.
 
     register(Method("wide-tree", "hetero-spec tree, 3 children", lambda c: c.hetero_run(
         draft_len=1, tree=TreeSpec(16, 4, 3)), needs_draft=True, speculative=True))
+
+Fixed trees are named by shape, ``tree-t{tokens}-d{depth}-k{top_k}`` (``tree-t2-d2-k2``), so that one
+interleaved run can compare tree shapes as ``chain-k1`` .. ``chain-k8`` compare chain lengths.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from ..config import TreeSpec
 from ..errors import HeteroSpecError
 from .baselines import BenchTarget, HeteroSpecRun, LlamaCppRun, RawRun, RunResult, Runner, SuffixRun
 from .llama_server import LlamaServerRun, MethodUnavailable, ServerMethod
@@ -106,6 +111,22 @@ register(Method("auto-nolookup", "hetero-spec --draft-len auto --no-lookup: the 
                 lambda c: c.hetero_run(draft_len="auto", lookup=False), needs_draft=True, speculative=True))
 register(Method("tree", "hetero-spec dynamic tree of a fixed shape (--tree-tokens/-depth/-top-k)",
                 lambda c: c.hetero_run(draft_len=1, tree=c.target.tree), needs_draft=True, speculative=True))
+TREE_NAME = re.compile(r"tree-t(\d+)-d(\d+)-k(\d+)")
+
+
+def method_named(name: str) -> Method | None:
+    """A registered method, or a fixed tree named by its shape (``TREE_NAME``); None if neither."""
+    if name in METHODS:
+        return METHODS[name]
+    shape = TREE_NAME.fullmatch(name)
+    if shape is None:
+        return None
+    spec = TreeSpec(*(int(g) for g in shape.groups()))  # a shape out of range is refused like --tree-tokens
+    return Method(name, f"hetero-spec dynamic tree of {spec.total_tokens} tokens, depth {spec.depth}, "
+                        f"top-k {spec.top_k}", lambda c: c.hetero_run(draft_len=1, tree=spec),
+                  needs_draft=True, speculative=True)
+
+
 register(Method("auto-tree", "hetero-spec dynamic tree sized per round from the cost curve",
                 lambda c: c.hetero_run(draft_len="auto", tree=c.target.tree), needs_draft=True, speculative=True))
 
@@ -156,11 +177,12 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.template not in ("gguf", "plain"):
             raise HeteroSpecError(f"unknown template {self.template!r} (use gguf or plain)")
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if method_named(m) is None]
         if unknown:
-            raise HeteroSpecError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}")
-        if self.target.draft is None and any(METHODS[m].needs_draft for m in self.methods):
-            need = [m for m in self.methods if METHODS[m].needs_draft]
+            raise HeteroSpecError(f"unknown method {unknown[0]!r}: choose from {', '.join(METHODS)}, "
+                                  "or a tree shape as tree-t{tokens}-d{depth}-k{top_k}")
+        if self.target.draft is None and any(method_named(m).needs_draft for m in self.methods):
+            need = [m for m in self.methods if method_named(m).needs_draft]
             raise HeteroSpecError(f"method {need[0]} needs a DRAFT file")
         if self.n_prompts < 1 or self.max_new_tokens < 1 or self.repeats < 1:
             raise HeteroSpecError("--n-prompts, --max-new-tokens and --repeats must be at least 1")
@@ -228,7 +250,7 @@ def _build_runners(ctx: BenchContext, methods: list[str]) -> tuple[dict[str, Run
     not_run: dict[str, str] = {}
     for m in methods:
         try:
-            runners[m] = METHODS[m].build(ctx)
+            runners[m] = method_named(m).build(ctx)
         except MethodUnavailable as exc:
             not_run[m] = str(exc)
     return runners, not_run
@@ -291,8 +313,8 @@ def _meta(cfg: BenchConfig, ctx: BenchContext, methods: list[str], threads: int)
         "repeats": cfg.repeats,
         "datasets": list(cfg.datasets),
         "template": cfg.template,
-        "methods": {m: METHODS[m].description for m in methods},
-        "speculative": [m for m in methods if METHODS[m].speculative],
+        "methods": {m: method_named(m).description for m in methods},
+        "speculative": [m for m in methods if method_named(m).speculative],
         "llama_cpp": _llama_meta(t, methods),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "timing": "wall time per prompt including prefill" + (

@@ -12,9 +12,10 @@ draft-model chain costs one draft step per drafted token, a shadow probe (no row
 one step per token it drafted, a copied round (prompt lookup, suffix trees) none; a round that ran the draft also pays
 the curve's ``draft_switch_ms`` once (its first forward right after a target decode).  A tree
 round drafts a whole level per forward, as auto's cost model prices it: one step for its first
-depth, then one forward over each later depth's nodes (``draft_rows_ms``, taken at the tree's mean
-nodes per depth; where a curve has no row forwards, one step per node), from the depths the round
-recorded (``levels``; a bench.json from before it prices every node as a step).  Prefill and the
+depth, then one forward over each later depth's forwarded nodes (``draft_rows_ms``, taken at the
+round's mean rows per forward; where a curve has no row forwards, one step per node), from the
+forwards and rows the round recorded (``levels``, ``draft_rows``; a bench.json from before
+``draft_rows`` takes the tree's mean nodes per depth, one from before ``levels`` a step per node).  Prefill and the
 orchestrator's own per-round overhead are left out: these are projections of decode speed,
 labelled as such wherever they are printed.
 
@@ -112,9 +113,11 @@ def round_cost(row: Sequence[Any], curve: CostCurve, catchup: int = 1) -> float:
         raise HeteroSpecError(f"a round cannot draft {drafted} tokens")
     steps = _draft_steps(row)
     draft_ms = 0.0
-    levels = _field(row, "levels", 0)
+    levels, rows = _field(row, "levels", 0), _field(row, "draft_rows", 0)
     if steps:
-        if 0 < levels < drafted:  # a tree: its first depth one step, each later depth one forward over its nodes
+        if rows and levels > 1:  # a tree: its first depth one step, then forwards over the rows they recorded
+            draft_ms = curve.draft_step_ms + (levels - 1) * curve.draft_rows_time_ms(-(-rows // (levels - 1)))
+        elif 0 < levels < drafted:  # a tree before "draft_rows": each later depth one forward over its nodes
             draft_ms = curve.draft_step_ms + (levels - 1) * curve.draft_rows_time_ms(-(-drafted // levels))
         else:
             draft_ms = steps * curve.draft_step_ms

@@ -16,13 +16,14 @@ from ..records import Round
 
 # The per-round fields kept in bench.json, one list per round in this order (compact: a
 # prompt of 128 tokens has up to 128 rounds, and a run has hundreds of prompts).
-ROUND_FIELDS = ("drafted", "accepted", "emitted", "draft_s", "verify_s", "overhead_s", "source", "shadow", "levels")
+ROUND_FIELDS = ("drafted", "accepted", "emitted", "draft_s", "verify_s", "overhead_s", "source", "shadow", "levels",
+                "draft_rows")
 
 
 def round_row(r: Round) -> list[Any]:
     """One Round as a compact list in ``ROUND_FIELDS`` order (times rounded to microseconds)."""
     return [r.drafted, r.accepted, r.emitted, round(r.draft_s, 6), round(r.verify_s, 6), round(r.overhead_s, 6),
-            r.source, r.shadow, r.levels]
+            r.source, r.shadow, r.levels, r.draft_rows]
 
 
 @dataclass

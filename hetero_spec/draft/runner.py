@@ -135,6 +135,7 @@ class TreeProposal:
     q: list  # [n] of processed draft distributions [n_vocab] float64 at nodes with children (sampling), else None
     n_real: int  # cache cells computed from real target rows; roll back to this after verification
     depth_forwards: int = 0  # batched draft forwards run for depths >= 2
+    forwarded_rows: int = 0  # the rows of those forwards (a greedy tree forwards only nodes that could grow)
 
 
 @dataclass
@@ -409,12 +410,19 @@ class DraftRunner:
         Each depth ranks the children *slots* of the frontier (slot j of node u scores
         log-prob(u) + log of u's j-th largest probability), keeps the best ``top_k`` slots
         and fills them: greedily with the top tokens, or when sampling by drawing that many
-        tokens without replacement from the node's processed distribution q.  Counts are
-        fixed before the draw and nothing drawn is pruned afterwards, which recursive
-        rejection needs to stay lossless.  Drafting stops early when the best probability
-        at the frontier falls below ``p_min`` (llama.cpp's draft-p-min).  ``top_k`` = 1 is a
-        chain.  The tree's cells stay in the cache at slots after ``n_real`` until the
-        caller rolls back.
+        tokens without replacement from the node's processed distribution q.  Drafting stops
+        early when the best probability at the frontier falls below ``p_min`` (llama.cpp's
+        draft-p-min).  ``top_k`` = 1 is a chain.  The tree's cells stay in the cache at slots
+        after ``n_real`` until the caller rolls back.
+
+        A sampled tree fills its ``total_tokens`` level by level: counts are fixed before the
+        draw and nothing drawn is pruned afterwards, which recursive rejection needs to stay
+        lossless.  A greedy tree is EAGLE-2's whole recipe: every depth expands ``top_k``
+        slots, and the ``total_tokens`` best-scoring nodes of all depths are kept (a child
+        never outscores its parent, so the kept set is a tree).  Only nodes ranked in the
+        best ``total_tokens`` - 1 so far are forwarded, since no other node's child can be
+        kept.  So with 2 tokens and ``top_k`` 2 a round verifies a chain of 2 or two
+        siblings, whichever the draft rates likelier, for the forwards of a chain of 2.
         """
         m = len(tokens)
         if m == 0 or top_k < 1 or total_tokens < 1:
@@ -440,6 +448,7 @@ class DraftRunner:
         toks, parents, score, qs = [-1], [-1], [0.0], [None]
         slot_of: dict[int, int] = {}  # node -> cache slot of its forwarded cell
         frontier, budget, forwards = [0], total_tokens, 0
+        forwarded_rows = 0
         for d in range(1, depth + 1):
             if native_step:  # the head's best rows, rescored, as a chain's step ranks them
                 top_i, top_p = self._attached_native().head_topk(feats, top_k, self._head._extra)
@@ -449,15 +458,30 @@ class DraftRunner:
                 top_p, top_i = _topk_rows(local, top_k)  # [B, K] each, probabilities descending
             if top_p[:, 0].max() < p_min:
                 break
-            new = self._fill_slots(frontier, local, top_p, top_i, min(top_k, budget), greedy, rng, toks, parents, score, qs)
+            slots = top_k if greedy else min(top_k, budget)
+            new = self._fill_slots(frontier, local, top_p, top_i, slots, greedy, rng, toks, parents, score, qs)
             budget -= len(new)
-            if budget <= 0 or d == depth or not new:
+            if greedy:  # forward only the nodes whose children could still be kept
+                ahead = set(_best_nodes(score, total_tokens - 1))
+                new = [v for v in new if v in ahead]
+            elif budget <= 0:
+                break
+            if d == depth or not new:
                 break
             feats, gs = self._forward_nodes(new, toks, parents, slot_of, n_real, d, gs, frontier,
                                             native=native_step)
             frontier = new
             forwards += 1
-        return TreeProposal(np.array(toks, dtype=np.int64), np.array(parents, dtype=np.int64), qs, n_real, forwards)
+            forwarded_rows += len(new)
+        tokens_, parents_ = np.array(toks, dtype=np.int64), np.array(parents, dtype=np.int64)
+        if greedy and len(toks) - 1 > total_tokens:
+            keep = np.array([0, *sorted(_best_nodes(score, total_tokens))], dtype=np.int64)
+            index_of = np.full(len(toks), -1, dtype=np.int64)
+            index_of[keep] = np.arange(len(keep))
+            tokens_ = tokens_[keep]
+            parents_ = np.where(keep == 0, -1, index_of[parents_[keep]])
+            qs = [qs[int(i)] for i in keep]
+        return TreeProposal(tokens_, parents_, qs, n_real, forwards, forwarded_rows)
 
     def _frontier_probs(self, feats: torch.Tensor, sampling: SamplingConfig | None, greedy: bool) -> np.ndarray:
         """feats [B, n_embd] -> per-row draft distribution over the head rows [B, n_head] float64."""
@@ -625,6 +649,12 @@ class DraftRunner:
         if T > 1:
             return (bias + _causal_tail(T, L, self.device))[None, None]
         return bias.view(1, 1, 1, L)
+
+
+def _best_nodes(score: list[float], n: int) -> list[int]:
+    """The ``n`` best-scoring nodes past the root, earlier nodes first among equals.  A child scores its
+    parent's log-probability plus a non-positive term and comes later, so the set always holds its parents."""
+    return sorted(range(1, len(score)), key=lambda u: (-score[u], u))[:max(0, n)]
 
 
 def _topk_rows(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

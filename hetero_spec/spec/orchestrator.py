@@ -394,7 +394,8 @@ def _tree_round(
         overhead_s=time.perf_counter() - t0 - draft_s - verify_s,
         bytes_to_target=TOKEN_BYTES * tree.n,
         bytes_to_draft=pending.bytes_to_draft(),
-        levels=int(tree.depth.max()) if tree.n > 1 else 0,
+        levels=1 + prop.depth_forwards if tree.n > 1 else 0,
+        draft_rows=prop.forwarded_rows if tree.n > 1 else 0,
     )
     return Step(emitted, rnd, stop), nxt, new_pending
 

@@ -107,6 +107,20 @@ def test_registry_takes_a_new_method_in_one_entry(model_path, random_draft_path)
         METHODS.pop("chain-k1")
 
 
+def test_tree_shapes_are_methods_by_name(model_path, random_draft_path):
+    """tree-t{tokens}-d{depth}-k{top_k}: one run compares tree shapes, each drafted as its name says and
+    lossless against raw."""
+    cfg = BenchConfig(target=BenchTarget(model_path, random_draft_path, threads=default_threads(), n_ctx=512),
+                      datasets=("gsm8k",), methods=("tree-t2-d2-k2", "tree-t5-d3-k2"), n_prompts=1,
+                      max_new_tokens=12, warmup=False)
+    res = run_bench(cfg)
+    assert {r.method for r in res.records} == {"raw", "tree-t2-d2-k2", "tree-t5-d3-k2"}
+    assert all(r.equal for r in res.records)
+    drafted = {r.method: max(row[0] for row in r.rounds) for r in res.records if r.method != "raw"}
+    assert drafted == {"tree-t2-d2-k2": 2, "tree-t5-d3-k2": 5}
+    assert "depth 3, top-k 2" in res.meta["methods"]["tree-t5-d3-k2"]
+
+
 def test_repeats_run_in_mirrored_order_and_keep_each_methods_fastest_run(model_path):
     """--repeats 2: two passes, each prompt A B in one and B A in the other; a run slowed by a (here
     injected) noisy spell is dropped."""
@@ -181,6 +195,7 @@ def test_cli_bench_writes_report(model_path, random_draft_path, tmp_path):
     (["--methods", "raw,warp-drive"], "unknown method"),
     (["--datasets", "nope"], "unknown dataset"),
     (["--project", "nope"], "no cost curve"),
+    (["--methods", "raw,tree-t40-d2-k2"], "tree tokens must be in 1..31"),
 ])
 def test_cli_bench_user_errors_are_one_line(model_path, random_draft_path, args, fragment):
     proc = subprocess.run([*CLI, "bench", model_path, random_draft_path, *args], capture_output=True, text=True,

@@ -28,6 +28,8 @@ class _Proposal:
     parents: np.ndarray
     q: list
     n_real: int
+    depth_forwards: int = 0
+    forwarded_rows: int = 0
 
 
 class OracleTreeDraft(OracleDraft):
@@ -41,6 +43,7 @@ class OracleTreeDraft(OracleDraft):
         self.cell_tokens.extend(int(t) for t in tokens)
         n_real = self.n
         toks, parents, node, budget = [-1], [-1], 0, total_tokens
+        forwards = rows = 0
         for d in range(depth):
             ref_i = n_real + 1 + d
             right = self.reference[ref_i] if ref_i < len(self.reference) else 0
@@ -57,7 +60,9 @@ class OracleTreeDraft(OracleDraft):
             if budget <= 0:
                 break
             node = first + next((j for j, t in enumerate(kids) if t == right), 0)
-        return _Proposal(np.array(toks), np.array(parents), [None] * len(toks), n_real)
+            if d < depth - 1:  # the runner forwards this level's nodes to grow the next
+                forwards, rows = forwards + 1, rows + len(toks) - first
+        return _Proposal(np.array(toks), np.array(parents), [None] * len(toks), n_real, forwards, rows)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +88,11 @@ def test_oracle_tree_output_equals_plain(hs, plain_outputs, width, total, depth)
     assert width == 1 or any(s.round.drafted > depth for s in steps if s.round)  # branches were drafted
     rounds = [s.round for s in steps if s.round and s.round.drafted]
     assert all(1 <= r.levels <= min(depth, r.drafted) for r in rounds)  # one draft forward per depth, recorded
+    assert all(r.draft_rows >= r.levels - 1 for r in rounds)  # each later forward over at least one node
     assert width == 1 or any(r.levels < r.drafted for r in rounds)
 
 
-@pytest.mark.parametrize("width, total", [(4, 16)])
+@pytest.mark.parametrize("width, total", [(4, 16), (2, 3)])
 def test_untrained_draft_tree_output_equals_plain(hs, plain_outputs, width, total):
     for p in PROMPTS[:2]:
         out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=6,

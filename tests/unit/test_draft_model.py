@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hetero_spec.config import DenoiseConfig, DraftConfig
+from hetero_spec.config import DenoiseConfig, DraftConfig, SamplingConfig
 from hetero_spec.draft.int8 import Int8Linear, int8_available
 from hetero_spec.draft.model import ConcatFusion, DraftModel, DynamicGatingFusion, _attend_one, init_weights
 from hetero_spec.draft.runner import DraftRunner
@@ -375,3 +375,36 @@ def test_int8_check_leaves_the_runner_on_its_threads():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_greedy_tree_keeps_its_best_nodes_of_all_depths():
+    """EAGLE-2's reranking: with 2 tokens and top_k 2 a greedy tree is the chain c1 -> g or the siblings c1, c2,
+    whichever the draft rates likelier (p(c1) p(g | c1) against p(c2)), and only c1 is forwarded to find g, since
+    c2's children could never be kept.  A sampled tree fills its budget level by level and prunes nothing."""
+    m = make_model()
+    with torch.no_grad():
+        m.head.mul_(0.1)  # flatter distributions, so that both shapes win somewhere
+    r = DraftRunner(m, device="cpu", dtype="float32")
+    seen, probs = set(), []
+    frontier_probs = r._frontier_probs
+    r._frontier_probs = lambda feats, sampling, greedy: probs.append(frontier_probs(feats, sampling, greedy)) or probs[-1]
+    rng = np.random.default_rng(5)
+    feats, toks = rng.standard_normal((60, D)).astype(np.float32) * 3, rng.integers(0, V, 60)
+    r.prefill(feats[:4], toks[:4])
+    for i in range(4, 60):
+        probs.clear()
+        prop = r.propose_tree(feats[i : i + 1], toks[i : i + 1], top_k=2, total_tokens=2, depth=2)
+        root, level2 = probs[0][0], probs[1]
+        assert level2.shape[0] == 1  # only the best child was forwarded
+        p1, p2 = np.sort(root)[::-1][:2]
+        chain = p1 * level2[0].max() > p2
+        assert prop.parents.tolist() == ([-1, 0, 1] if chain else [-1, 0, 0])
+        assert prop.tokens[1] == int(np.argmax(root)) and prop.depth_forwards == prop.forwarded_rows == 1
+        if chain:
+            assert prop.tokens[2] == int(np.argmax(level2[0]))
+        seen.add(chain)
+        r.rollback(prop.n_real)
+    assert seen == {True, False}  # both shapes were chosen
+    sampled = r.propose_tree(feats[:1], toks[:1], top_k=2, total_tokens=2, depth=2,
+                             sampling=SamplingConfig(temperature=1.0), rng=np.random.default_rng(0))
+    assert sampled.parents.tolist() == [-1, 0, 0] and sampled.depth_forwards == 0

@@ -15,14 +15,14 @@ from hetero_spec.records import Round
 
 
 def rnd(drafted: int, accepted: int, *, emitted: int | None = None, draft_s: float = 0.0, source: str = "draft",
-        shadow: int = 0, levels: int | None = None):
+        shadow: int = 0, levels: int | None = None, draft_rows: int = 0):
     """A ROUND_FIELDS row as the bench stores it (through round_row, so the layout is the real one); a model
     round's ``levels`` default to a chain's, one per drafted token."""
     if levels is None:
         levels = drafted if source == "draft" else 0
     r = Round(drafted=drafted, accepted=accepted, emitted=accepted + 1 if emitted is None else emitted,
               draft_s=draft_s, verify_s=0.01, overhead_s=0.001, bytes_to_target=4 * (drafted + 1), bytes_to_draft=0,
-              source=source, shadow=shadow, levels=levels)
+              source=source, shadow=shadow, levels=levels, draft_rows=draft_rows)
     return round_row(r)
 
 
@@ -48,7 +48,7 @@ def test_draft_steps_are_priced_per_drafted_token_and_lookup_is_free():
     assert round_cost(rnd(2, 2), curve) == pytest.approx(1 + 2 * 0.5)
     assert round_cost(rnd(2, 2, source="lookup"), curve) == pytest.approx(1.0)
     assert round_cost(rnd(0, 0, draft_s=0.002, shadow=3), curve) == pytest.approx(2.5)  # a shadow probe: 3 steps, 1 row
-    assert round_cost(rnd(0, 0, draft_s=0.002)[:-2], curve) == pytest.approx(1.5)  # a bench.json before "shadow"
+    assert round_cost(rnd(0, 0, draft_s=0.002)[:-3], curve) == pytest.approx(1.5)  # a bench.json before "shadow"
     assert round_cost(rnd(2, 2, source="suffix"), curve) == pytest.approx(1.0)  # copied from the suffix trees
     assert round_cost(rnd(0, 0), curve) == pytest.approx(1.0)  # a plain round
     assert replay([rnd(2, 2), rnd(2, 2, source="lookup")], curve).speedup == pytest.approx(6 / 3.0)
@@ -79,14 +79,20 @@ def test_the_draft_catches_up_on_the_rows_emitted_since_it_last_ran():
 def test_a_tree_is_priced_per_depth_not_per_node():
     """A tree drafts a whole depth per forward: its first depth one step, each later depth one forward over
     its nodes (the curve's row forwards at the tree's mean nodes per depth), as auto's cost model prices it.
-    A bench.json from before ``levels`` prices every node as a step, and so does a curve without row forwards."""
+    The forwards are the ones the round recorded: a greedy tree forwards only the nodes that could grow, and
+    keeps its best nodes of all depths, so its final shape does not say what it ran.  A bench.json from before
+    ``draft_rows`` takes the tree's mean nodes per depth, one from before ``levels`` a step per node, and so
+    does a curve without row forwards."""
     curve = CostCurve({n: 10.0 for n in range(1, 9)}, draft_step_ms=2.0, draft_rows_ms={1: 2.0, 2: 3.0, 3: 4.0},
                       draft_switch_ms=1.0)
-    tree = rnd(6, 2, levels=3)  # 6 nodes over 3 depths: a step, then two forwards over 2 rows each
+    tree = rnd(6, 2, levels=3, draft_rows=4)  # a step, then two forwards over 2 rows each
     assert round_cost(tree, curve) == pytest.approx(1 + (2.0 + 2 * 3.0 + 1.0) / 10)
-    assert round_cost(rnd(5, 2, levels=2), curve) == pytest.approx(1 + (2.0 + 4.0 + 1.0) / 10)  # 3 rows a depth
+    # two siblings kept after a forward over the first: priced as run, not as a one-depth tree
+    assert round_cost(rnd(2, 1, levels=2, draft_rows=1), curve) == pytest.approx(1 + (2.0 + 2.0 + 1.0) / 10)
+    assert round_cost(rnd(6, 2, levels=2, draft_rows=3), curve) == pytest.approx(1 + (2.0 + 4.0 + 1.0) / 10)
     assert round_cost(rnd(3, 3), curve) == pytest.approx(1 + (3 * 2.0 + 1.0) / 10)  # a chain: a step a token
-    assert round_cost(tree[:-1], curve) == pytest.approx(1 + (6 * 2.0 + 1.0) / 10)  # before "levels": per node
+    assert round_cost(rnd(5, 2, levels=2)[:-1], curve) == pytest.approx(1 + (2.0 + 4.0 + 1.0) / 10)  # 3 nodes a depth
+    assert round_cost(tree[:-2], curve) == pytest.approx(1 + (6 * 2.0 + 1.0) / 10)  # before "levels": per node
     no_rows = CostCurve({n: 10.0 for n in range(1, 9)}, draft_step_ms=2.0)
     assert round_cost(tree, no_rows) == pytest.approx(1 + (2.0 + 2 * 2 * 2.0) / 10)
 
@@ -102,7 +108,7 @@ def test_round_row_layout_matches_fields():
     row = rnd(2, 1, draft_s=0.5, source="lookup")
     assert dict(zip(ROUND_FIELDS, row)) == {"drafted": 2, "accepted": 1, "emitted": 2, "draft_s": 0.5,
                                             "verify_s": 0.01, "overhead_s": 0.001, "source": "lookup", "shadow": 0,
-                                            "levels": 0}
+                                            "levels": 0, "draft_rows": 0}
 
 
 def _record(method: str, index: int, rounds: list, wall_s: float, prefill_s: float, new_tokens: int) -> PromptRecord:
