@@ -395,7 +395,7 @@ def _tree_round(
         bytes_to_target=TOKEN_BYTES * tree.n,
         bytes_to_draft=pending.bytes_to_draft(),
         levels=1 + prop.depth_forwards if tree.n > 1 else 0,
-        draft_rows=prop.forwarded_rows if tree.n > 1 else 0,
+        draft_rows=prop.forwarded_rows if tree.n > 1 and shape.width > 1 else 0,  # a chain's forwards are its steps
     )
     return Step(emitted, rnd, stop), nxt, new_pending
 
