@@ -404,6 +404,8 @@ class AutoPolicy:
         # round (cache-cold after the decode).  The curve's part of each depth's cost never changes.
         self._lookup_best: list[tuple[int, list[tuple[Shape, float]]] | None] = [None] * len(LOOKUP_MATCH_BUCKETS)
         self._lookup_cost_ms = [round_cost_ms(curve, Shape(d, source="lookup")) for d in range(lookup_depth + 1)]
+        # per match bucket, with its statistics' version: whether lookup would pay at the curve's cost alone
+        self._lookup_at_curve: list[tuple[int, bool] | None] = [None] * len(LOOKUP_MATCH_BUCKETS)
         self.cost = MeasuredCost()
         self._scale_used = 1.0  # drafted_scale at the last search
         self._t1_ms = curve.verify_time_ms(1)
@@ -457,6 +459,23 @@ class AutoPolicy:
                 best, best_rate = Shape(d, source="lookup"), rate
             table.append((best, best_rate))
         return table
+
+    def _lookup_priced_out(self) -> bool:
+        """Whether this round's lookup statistics would pay at the curve's cost but not at the measured one.
+
+        WHY: greedy rounds check lookup's proposals against the target's own tokens for free
+        (``observe_lookup_chain``), so its acceptance stays current without probes; but its cost is measured
+        only on rounds that run it.  Once the measured cost drifts past break-even, no lookup round runs and
+        nothing measures it again: in one bench run (SmolLM2 Q4_0, a host where 2 rows cost 2 decodes) auto
+        copied in 26 rounds, none after its 9th prompt, where lookup alone copied in 377.  Then probes, on
+        lookup's backoff, measure the cost again.  Cached per bucket until its statistics change."""
+        known, version = self._lookup_at_curve[self._bucket], self._round_lookup_stats.version
+        if known is None or known[0] != version:
+            alphas = [self._round_lookup_stats.alpha(d) for d in range(1, self.lookup_depth + 1)]
+            pays = any(expected_emitted(alphas[:d]) / self._lookup_cost_ms[d] >= self.min_gain / self._lookup_cost_ms[0]
+                       for d in range(1, self.lookup_depth + 1))
+            known = self._lookup_at_curve[self._bucket] = (version, pays)
+        return known[1] and self._best_lookup(self.lookup_depth)[0].depth == 0
 
     def _best_suffix(self, sizes: Sequence[int], boost: Sequence[float] = ()) -> tuple[Shape, float]:
         """The best depth of this round's suffix proposal, as its most probable path (a chain: Shape(d, 1, d))
@@ -603,7 +622,8 @@ class AutoPolicy:
             if lshape.depth and lrate > self._best_rate:
                 self._lookup_probe.reset()
                 return lshape
-            if shape.depth == 0 and not self._lookup_shadowed and self._lookup_probe.due():
+            if (shape.depth == 0 and (not self._lookup_shadowed or self._lookup_priced_out())
+                    and self._lookup_probe.due()):
                 self._probing = "lookup"
                 return Shape(1, source="lookup", probe=True)
         if shape.depth == 0:

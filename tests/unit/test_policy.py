@@ -542,3 +542,37 @@ def test_probes_near_break_even_are_spaced_by_what_they_really_cost():
         assert big.wants_rows(CATCHUP_ROWS)
         big.observe_time(Shape(0), 0, 81.25e-3, kept_row=True)
     assert big._probe_restart() == 16
+
+
+def test_a_shadowed_lookup_priced_out_by_its_measured_cost_is_probed_until_it_pays_again():
+    """Free checks keep lookup's acceptance current but not its cost, which only rounds that run it measure.
+    After a slow spell prices lookup out, a cost probe (one copied token) comes on lookup's backoff while the
+    curve alone says lookup would pay; rounds at the curve's cost then bring lookup back.  Where lookup would
+    not pay even at the curve's cost, a shadowed lookup is never probed."""
+    c = curve(10.0, 2.0, 0.9)
+    policy = AutoPolicy(c, max_depth=0, lookup_depth=4, probe_every=4, decay=0.9)
+    for _ in range(30):
+        policy.observe_lookup_chain(8, 4, 4)  # long matches, proposals right: lookup pays at the curve
+    chosen = policy.choose(4, match=8)
+    assert chosen.source == "lookup" and chosen.depth >= 2 and not chosen.probe
+    for _ in range(SETTLE_ROUNDS + 20):
+        policy.observe_time(Shape(0), 0, 10.0 / 1e3)  # plain rounds at the curve
+    for _ in range(10):  # a slow spell of lookup rounds
+        policy.observe_time(chosen, 0, 4 * round_cost_ms(c, chosen) / 1e3)
+    seen = []
+    for _ in range(80):
+        s = policy.choose(4, match=8)
+        seen.append("probe" if s.probe else s.source if s.depth else "plain")
+        if s.depth:
+            policy.observe_time(s, 0, round_cost_ms(c, s) / 1e3)  # the spell is over
+            policy.observe(s.depth, s.depth, source=s.source)
+        else:
+            policy.observe_time(s, 0, 10.0 / 1e3)
+        if seen[-1] == "lookup":
+            break
+    assert seen[0] == "plain" and "probe" in seen and seen[-1] == "lookup"
+
+    poor = AutoPolicy(c, max_depth=0, lookup_depth=4, probe_every=4, decay=0.9)
+    for _ in range(30):
+        poor.observe_lookup_chain(0, 4, 0)  # short matches, proposals wrong: lookup would not pay anyway
+    assert all(poor.choose(4, match=0) == Shape(0) for _ in range(40))
