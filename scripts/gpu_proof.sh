@@ -190,7 +190,6 @@ unpack() {
   done < "$sums"
   ((${#missing[@]} == 0)) || die "parts not here (send their calls again): ${missing[*]}"
   ((${#bad[@]} == 0)) || die "parts damaged on the way (send their calls again): ${bad[*]}"
-  mkdir -p "$work"
   local prefix
   for prefix in bundle.tar plots.tar; do
     local parts=() all=1
@@ -282,14 +281,13 @@ run() {
   "$PY" -c "import torch, llama_cpp, gguf, hetero_spec.cli
 assert '$device' == 'cpu' or torch.cuda.is_available(), 'torch sees no CUDA device'
 print(torch.cuda.get_device_name() if '$device' != 'cpu' else 'GPU_PROOF_DEVICE=cpu: the draft on the CPU')"
-  local res="$WORK/results"
-  mkdir -p "$res"
-  RESULTS="$res"  # global: the trap runs after run() has returned
+  RESULTS="$WORK/results"  # global: the trap runs after run() has returned
+  mkdir -p "$RESULTS"
   trap 'collect "$RESULTS"' EXIT
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$res/gpu.txt" 2>/dev/null || true
-  lscpu > "$res/cpu.txt" 2>/dev/null || true
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$RESULTS/gpu.txt" 2>/dev/null || true
+  lscpu > "$RESULTS/cpu.txt" 2>/dev/null || true
   cd "$ROOT"
-  steps "$device" "$WORK/model.gguf" "$ROOT/$DRAFT_REL" "$res" "$ROOT/scripts"
+  steps "$device" "$WORK/model.gguf" "$ROOT/$DRAFT_REL" "$RESULTS" "$ROOT/scripts"
 }
 
 # ------------------------------------------------------------------------------------------------ cpu-check

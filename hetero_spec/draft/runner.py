@@ -460,12 +460,13 @@ class DraftRunner:
                 break
             slots = top_k if greedy else min(top_k, budget)
             new = self._fill_slots(frontier, local, top_p, top_i, slots, greedy, rng, toks, parents, score, qs)
-            budget -= len(new)
             if greedy:  # forward only the nodes whose children could still be kept
                 ahead = set(_best_nodes(score, total_tokens - 1))
                 new = [v for v in new if v in ahead]
-            elif budget <= 0:
-                break
+            else:
+                budget -= len(new)
+                if budget <= 0:
+                    break
             if d == depth or not new:
                 break
             feats, gs = self._forward_nodes(new, toks, parents, slot_of, n_real, d, gs, frontier,

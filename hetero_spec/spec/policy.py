@@ -442,13 +442,13 @@ class AutoPolicy:
         """The best lookup chain of at most ``available`` tokens, or Shape(0) if none beats plain by min_gain."""
         known, version = self._lookup_best[self._bucket], self._round_lookup_stats.version
         if known is None or known[0] != version:
-            known = self._lookup_best[self._bucket] = (version, self._search_lookup())
+            known = self._lookup_best[self._bucket] = (version, self._search_lookup(self.cost.scale("lookup")))
         table = known[1]
         return table[max(0, min(available, len(table) - 1))]
 
-    def _search_lookup(self) -> list[tuple[Shape, float]]:
-        """``_best_lookup`` for every ``available`` from 0 to ``lookup_depth``, in one pass over the depths."""
-        scale = self.cost.scale("lookup")
+    def _search_lookup(self, scale: float) -> list[tuple[Shape, float]]:
+        """``_best_lookup`` for every ``available`` from 0 to ``lookup_depth``, in one pass over the depths, with
+        lookup's rounds at ``scale`` times their curve cost (1: the curve's alone)."""
         plain_rate = 1.0 / self._lookup_cost_ms[0]
         best, best_rate = Shape(0), plain_rate
         alphas = [self._round_lookup_stats.alpha(d) for d in range(1, self.lookup_depth + 1)]
@@ -471,10 +471,7 @@ class AutoPolicy:
         lookup's backoff, measure the cost again.  Cached per bucket until its statistics change."""
         known, version = self._lookup_at_curve[self._bucket], self._round_lookup_stats.version
         if known is None or known[0] != version:
-            alphas = [self._round_lookup_stats.alpha(d) for d in range(1, self.lookup_depth + 1)]
-            pays = any(expected_emitted(alphas[:d]) / self._lookup_cost_ms[d] >= self.min_gain / self._lookup_cost_ms[0]
-                       for d in range(1, self.lookup_depth + 1))
-            known = self._lookup_at_curve[self._bucket] = (version, pays)
+            known = self._lookup_at_curve[self._bucket] = (version, self._search_lookup(1.0)[-1][0].depth > 0)
         return known[1] and self._best_lookup(self.lookup_depth)[0].depth == 0
 
     def _best_suffix(self, sizes: Sequence[int], boost: Sequence[float] = ()) -> tuple[Shape, float]:
