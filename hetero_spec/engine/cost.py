@@ -6,7 +6,7 @@ same bet can lose.  vLLM turns speculation down as the batch fills for this reas
 engine measures instead of assuming:
 
 - ``StepCost``: milliseconds of one micro-batch by its rows, probed at several fills when the engine
-  starts (``Engine.calibrate``) and kept current from every step it runs;
+  starts (``Engine.calibrate``), all scaled by how the steps it runs compare with them;
 - ``Acceptance``: how often a verified draft row was right, for drafts from a long lookup match
   and for guesses that only fill the batch, counted over the rows the target actually reached.
 
@@ -25,18 +25,32 @@ import statistics
 from dataclasses import dataclass, field
 
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # one micro-batch each: a step's price is the sum of its micro-batches'
-SMOOTHING = 0.2  # weight of a new step's time in the running estimate of its row count
+SMOOTHING = 0.2  # weight of a new step's time in the running correction (or, uncalibrated, its width's price)
 
 
 @dataclass
 class StepCost:
-    """Decode milliseconds by rows: measured points, linear in between and beyond."""
+    """Decode milliseconds by rows: measured points, linear in between and beyond, times one running correction
+    (``scale``) that the steps the engine runs keep current.
+
+    WHY one correction for every width: the points come from one calibration that timed every width alike, so
+    their ratios are what a choice between layouts needs; the steps then say how decodes run now (the host's
+    drift, the slots' context lengths) for all widths at once.  Corrected width by width from its own steps,
+    a width the engine keeps choosing drifts and the ones it no longer runs do not.  On the 2-core EPYC VM, four
+    slots drafting a row each ran 8-row steps at 24 ms against 26.4 calibrated, while 4 plain rows kept their
+    calibrated 18.3 ms (13-14 ms when they ran): the draft model looked as if it paid, and a server with it
+    drafted every step at 0.9 times copies alone.  Without a calibration the first widths the steps show
+    become the points."""
 
     ms: dict[int, float] = field(default_factory=dict)
+    scale: float = 1.0
 
     def observe(self, rows: int, ms: float) -> None:
-        old = self.ms.get(rows)
-        self.ms[rows] = ms if old is None else (1 - SMOOTHING) * old + SMOOTHING * ms
+        if not self.known:
+            old = self.ms.get(rows)
+            self.ms[rows] = ms if old is None else (1 - SMOOTHING) * old + SMOOTHING * ms
+            return
+        self.scale = (1 - SMOOTHING) * self.scale + SMOOTHING * ms / self._points(rows)
 
     def set_median(self, rows: int, samples: list[float]) -> None:
         self.ms[rows] = statistics.median(samples)
@@ -50,6 +64,10 @@ class StepCost:
         return len(self.ms) >= 2
 
     def at(self, rows: int) -> float:
+        return self.scale * self._points(rows)
+
+    def _points(self, rows: int) -> float:
+        """The measured points' price of ``rows``, before the correction."""
         ms = self.ms.get(rows)
         if ms is not None:
             return ms

@@ -16,7 +16,7 @@ from .. import atomic_file
 from ..calibration import cache_dir, file_ident, machine_id
 from .cost import StepCost
 
-PRICES_VERSION = 1  # bumped when what a price means changes, so that every cached file is measured again
+PRICES_VERSION = 2  # bumped when what a price means changes, so that every cached file is measured again
 
 
 def prices_path(target, rows: tuple[int, ...], repeats: int, context: int) -> Path:

@@ -16,6 +16,7 @@ and the step adds the draft's measured step time per depth to the decode's price
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,15 +162,16 @@ class Engine:
     def calibrate(self, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 5, context: int = 256, *,
                   cached: bool = False) -> StepCost:
         """Measure one micro-batch at several fills on this machine, before any request: the prices ``_choose``
-        starts from (steps that keep a shape keep them current).  Laid out as steps are (the rows spread
+        starts from (steps that keep a shape scale them all, ``StepCost``).  Laid out as steps are (the rows spread
         evenly over consecutive sequences, each holding ``context`` cells already, as a request in flight
         does); every sequence is left empty.
 
         As ``calibration.py`` times a round: one row from a stream of one-row decodes that has settled, and
-        a wider micro-batch with the ``SETTLE_ROUNDS`` one-row decodes after it, less as many settled ones,
-        since on some hosts the decodes after a wider one stay slow for several steps (measured on the
-        2-core Xeon VM: a one-row step priced right after the context's 32-row decodes at 8.6 ms against
-        5.0 settled, so a single slot drafted the darter's chains every step at 0.87-0.90 times ``run``).
+        a wider micro-batch plus what it adds to the ``SETTLE_ROUNDS`` one-row decodes after it (the median of
+        that over every width's), since on some hosts the decodes after a wider one stay slow for several
+        steps (measured on the 2-core Xeon VM: a one-row step priced right after the context's 32-row decodes
+        at 8.6 ms against 5.0 settled, so a single slot drafted the darter's chains every step at 0.87-0.90
+        times ``run``).
         Each pass times every width once, in a shuffled order, so that a slow spell of the host raises all
         prices alike instead of the few widths timed during it.
 
@@ -194,6 +196,7 @@ class Engine:
 
     def _measure(self, rows: tuple[int, ...], repeats: int, context: int) -> None:
         t = self.target
+        self.cost = StepCost()  # new points, and no correction learnt against the old ones
         n_seq, ub = t.options.n_seq, t.options.max_rows
         for seq in range(n_seq):
             for start in range(0, context, ub):
@@ -204,14 +207,15 @@ class Engine:
                 t.decode([Row(0, 0, context, True)])
                 t.keep(0, context)
 
-        def wide(n: int) -> float:  # an n-row micro-batch and the one-row decodes after it, in ms
+        def wide(n: int) -> tuple[float, float]:  # ms of an n-row micro-batch, and of the one-row decodes after it
             seqs = next(k for k in range(min(n, n_seq), 0, -1) if n % k == 0)  # n = seqs x rows each
             t0 = time.perf_counter()
             t.decode([Row(seq, 0, context + i, True) for seq in range(seqs) for i in range(n // seqs)])
+            t1 = time.perf_counter()
             for seq in range(seqs):
                 t.keep(seq, context)
             plain_rows(SETTLE_ROUNDS)
-            return 1e3 * (time.perf_counter() - t0)
+            return 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1)
 
         def settled() -> float:  # ms of one-row decodes after as many
             plain_rows(SETTLE_ROUNDS)
@@ -220,16 +224,27 @@ class Engine:
             return 1e3 * (time.perf_counter() - t0)
 
         widths = [1] + [n for n in rows if 1 < n <= min(ub, t.options.batch_rows)]
-        samples: dict[int, list[float]] = {n: [] for n in widths}
+        settled_ms: list[float] = []
+        decode_ms: dict[int, list[float]] = {n: [] for n in widths[1:]}
+        after_ms: list[float] = []
         order, rng = widths[:], random.Random(0)
         for _ in range(repeats):  # every width once a pass, in a new order: the host's drift spreads over all
             rng.shuffle(order)
             for n in order:
-                samples[n].append(settled() if n == 1 else wide(n))
-        self.cost.set_median(1, [s / SETTLE_ROUNDS for s in samples[1]])
+                if n == 1:
+                    settled_ms.append(settled())
+                else:
+                    ms, after = wide(n)
+                    decode_ms[n].append(ms)
+                    after_ms.append(after)
+        self.cost.set_median(1, [s / SETTLE_ROUNDS for s in settled_ms])
         t1 = self.cost.at(1)
-        for n in widths[1:]:  # noise can push the difference below t(1)
-            self.cost.set_median(n, [max(t1, s - SETTLE_ROUNDS * t1) for s in samples[n]])
+        # what a wider decode adds to the one-row decodes after it, pooled over every width: each sample is the
+        # difference of two sums of SETTLE_ROUNDS decodes, too noisy to price a width alone (on the 2-core EPYC VM a
+        # cached calibration priced 4 rows at 20.1 ms and 8 at 26.4, where back-to-back they ran at 16.2 and 28.0)
+        slowed = statistics.median(a - SETTLE_ROUNDS * t1 for a in after_ms) if after_ms else 0.0
+        for n in widths[1:]:  # noise can push the after-effect below -t(n)
+            self.cost.set_median(n, [max(t1, ms + slowed) for ms in decode_ms[n]])
         for slot in self.scheduler.slots:
             t.clear(slot.seq)
             slot.cached = []
@@ -273,7 +288,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.target.decode([r for _, r, _ in plan.rows])
         decode_s = time.perf_counter() - t0
-        # the price of one micro-batch of rows, from steps that keep the shape of the step before: a step after
+        # how one micro-batch runs against its price, from steps that keep the shape of the step before: a step after
         # a different one carries its after-effect (``calibrate``), which the calibrated prices already hold
         if len(plan.rows) == self._last_rows and len(micro_batches(plan.counts, self.target.options.max_rows)) == 1:
             self.cost.observe(len(plan.rows), 1e3 * decode_s)

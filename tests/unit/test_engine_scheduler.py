@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetero_spec.engine.cost import micro_batches
+from hetero_spec.engine.cost import StepCost, micro_batches
 from hetero_spec.engine.scheduler import QueueFull, Scheduler
 from hetero_spec.engine.slots import Request
 
@@ -161,3 +161,58 @@ def test_engine_prices_never_fall_below_one_row(monkeypatch):
     monkeypatch.setattr(engine_step, "time", SimpleNamespace(perf_counter=lambda: target.now))
     cost = Engine(target, max_waiting=4).calibrate(rows=(1, 2, 8))
     assert cost.ms == pytest.approx({1: 1.0, 2: 1.0, 8: 1.0})  # 2 - 7.2 and 8 - 7.2 ms: clamped to t(1)
+
+
+class JitteryClockSequences(ClockSequences):
+    """... whose one-row decode right after a wider one is slowed by a different amount each time (0-8 ms), as
+    a VM's spells make the difference of two sums of decodes swing."""
+
+    def __init__(self) -> None:
+        import random
+
+        super().__init__()
+        self.rng = random.Random(7)
+        self.slowed: list[float] = []
+
+    def decode(self, rows) -> None:
+        if len(rows) == 1 and self.since_wide == 0:
+            self.slowed.append(self.rng.uniform(0.0, 8.0))
+            self.now += 1e-3 * self.slowed[-1]
+        self.now += 1e-3 * len(rows)
+        self.since_wide = 0 if len(rows) > 1 else self.since_wide + 1
+
+
+def test_engine_prices_every_width_with_the_after_effect_of_all(monkeypatch):
+    """What a wider decode adds to the decodes after it is pooled over every width: each width's price is its
+    own decode plus the median of all widths' after-effects, so one width does not take a slow spell alone
+    (on the 2-core EPYC VM a calibration priced 4 rows at 20.1 ms and 8 at 26.4, 16.2 and 28.0 back to back)."""
+    import statistics
+    from types import SimpleNamespace
+
+    from hetero_spec.engine import step as engine_step
+    from hetero_spec.engine.step import Engine
+
+    target = JitteryClockSequences()
+    monkeypatch.setattr(engine_step, "time", SimpleNamespace(perf_counter=lambda: target.now))
+    cost = Engine(target, max_waiting=4).calibrate(rows=(1, 2, 4, 8), repeats=5)
+    slowed = statistics.median(target.slowed)
+    assert cost.ms == pytest.approx({1: 1.0, 2: 2.0 + slowed, 4: 4.0 + slowed, 8: 8.0 + slowed})
+
+
+def test_steps_correct_every_width_alike():
+    """Steps of one width scale every price by how they ran against theirs, so a width the engine no longer runs
+    keeps its calibrated ratio to the ones it does; without a calibration the steps' own times are the prices."""
+    cost = StepCost({1: 5.0, 4: 16.0, 8: 28.0})
+    for _ in range(40):
+        cost.observe(8, 21.0)  # 4 slots drafting a row each, faster than calibrated
+    assert cost.at(8) == pytest.approx(21.0, rel=1e-3)
+    assert cost.at(4) / cost.at(8) == pytest.approx(16.0 / 28.0)  # 4 plain rows: 12 ms now, not still 16
+    assert cost.at(6) == pytest.approx(cost.scale * 22.0)  # between two points, scaled alike
+
+    fresh = StepCost()
+    fresh.observe(4, 12.0)
+    assert not fresh.known
+    fresh.observe(1, 5.0)
+    assert fresh.ms == {4: 12.0, 1: 5.0} and fresh.scale == 1.0
+    fresh.observe(4, 6.0)  # known: a correction of every width now
+    assert fresh.ms == {4: 12.0, 1: 5.0} and fresh.at(1) == pytest.approx(5.0 * 0.9)
