@@ -6,8 +6,8 @@
 Every mt_bench first turn (chat template applied) is queued at once; the engine runs until all are
 answered.  Per configuration: wall time, time inside llama_decode, steps and rows per step, the cost
 of a step holding only plain rows (one token per generating slot), and generated tokens/s.  The
-last row lets the engine draft (suffix-match copies priced on the batch, ``engine/cost.py``), after
-its start-up probe of step costs.  With ``--draft``, three more: the draft model's chains (up to 4 deep,
+last row lets the engine draft (suffix-match copies priced on the batch, ``engine/cost.py``), from the
+step prices the server uses (measured the first time for this machine, model and layout, then read).  With ``--draft``, three more: the draft model's chains (up to 4 deep,
 priced on the batch) with 1 and with N slots, and N slots drafting 3 every step (unpriced), each with its
 acceptance and the draft's measured step time.
 
@@ -37,8 +37,8 @@ def run(model: Path, n_seq: int, depth: int, texts: list[str], max_tokens: int, 
     with t:
         engine = Engine(t, max_waiting=len(texts), draft=drafts,
                         drafting=Drafting(lookup_depth=depth, draft_depth=draft_depth, priced=priced))
-        if depth or draft_depth:
-            engine.calibrate()
+        if depth or draft_depth:  # the server's prices for this layout: measured once, then read (price_cache.py)
+            engine.calibrate(cached=True)
         submitted: list[Request] = []
         for text in texts:
             chat = render_chat(t.chat_template, [{"role": "user", "content": text}], bos_token=t.bos_token,
