@@ -39,7 +39,7 @@ class StepCost:
     a width the engine keeps choosing drifts and the ones it no longer runs do not.  On the 2-core EPYC VM, four
     slots drafting a row each ran 8-row steps at 24 ms against 26.4 calibrated, while 4 plain rows kept their
     calibrated 18.3 ms (13-14 ms when they ran): the draft model looked as if it paid, and a server with it
-    drafted a row per slot in 40% of its steps, where such rows cost more than they gave.  Without a
+    drafted a row per slot in 40-50% of its steps, where such rows cost more than they gave.  Without a
     calibration the first widths the steps show become the points."""
 
     ms: dict[int, float] = field(default_factory=dict)
