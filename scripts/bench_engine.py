@@ -7,9 +7,10 @@ Every mt_bench first turn (chat template applied) is queued at once; the engine 
 answered.  Per configuration: wall time, time inside llama_decode, steps and rows per step, the cost
 of a step holding only plain rows (one token per generating slot), and generated tokens/s.  The
 last row lets the engine draft (suffix-match copies priced on the batch, ``engine/cost.py``), from the
-step prices the server uses (measured the first time for this machine, model and layout, then read).  With ``--draft``, three more: the draft model's chains (up to 4 deep,
-priced on the batch) with 1 and with N slots, and N slots drafting 3 every step (unpriced), each with its
-acceptance and the draft's measured step time.
+step prices the server uses (measured the first time for this machine, model and layout, then read).
+With ``--draft``, three more: the draft model's chains (up to 4 deep, priced on the batch) with 1 and
+with N slots, and N slots drafting 3 every step (unpriced), each with its acceptance and the draft's
+measured step time.
 
 ``--passes N`` runs every configuration once per pass, the order rotated pass by pass so that a drifting
 machine slows them alike, and reports each figure's median over the passes (the JSON keeps every pass too).

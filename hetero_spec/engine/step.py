@@ -211,11 +211,11 @@ class Engine:
             seqs = next(k for k in range(min(n, n_seq), 0, -1) if n % k == 0)  # n = seqs x rows each
             t0 = time.perf_counter()
             t.decode([Row(seq, 0, context + i, True) for seq in range(seqs) for i in range(n // seqs)])
-            t1 = time.perf_counter()
+            decoded = time.perf_counter()
             for seq in range(seqs):
                 t.keep(seq, context)
             plain_rows(SETTLE_ROUNDS)
-            return 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t1)
+            return 1e3 * (decoded - t0), 1e3 * (time.perf_counter() - decoded)
 
         def settled() -> float:  # ms of one-row decodes after as many
             plain_rows(SETTLE_ROUNDS)
