@@ -8,6 +8,7 @@ import numpy as np
 
 from ..config import SamplingConfig
 from ..target.llama_target import common_prefix
+from ..spec.shadow import ShadowChain
 from ..spec.suffix import SuffixCache, SuffixRequest, prompt_key
 
 
@@ -57,6 +58,7 @@ class Slot:
     sure: int = 0  # drafts[:sure] came from a long match, the rest are guesses that fill the batch
     bucket: int = 0  # the match length class of those drafts (Engine.trusted)
     cached: list[int] = field(default_factory=list)  # while free: the tokens whose cells the sequence kept
+    shadow: ShadowChain = field(default_factory=ShadowChain)  # a trusted copy no step verified, checked unverified
 
     @property
     def free(self) -> bool:
@@ -84,6 +86,7 @@ class Slot:
         """Take ``request``, whose first ``reuse`` prompt tokens are in the cells already; ``cache``: draft by
         suffix match over its text and the past answers there (only greedy requests draft)."""
         self.request, self.fed, self.pending, self.drafts, self.sure = request, reuse, None, [], 0
+        self.shadow = ShadowChain()
         request.seq = self.seq
         self.cached = []
         self.rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
@@ -97,5 +100,6 @@ class Slot:
         if self.suffix is not None:  # its answer becomes text later requests can copy from
             self.suffix.extend(request.out[len(self.suffix.output):])
             self.suffix.finish()
+        self.shadow.close()
         self.request, self.pending, self.rng, self.suffix, self.drafts, self.sure = None, None, None, None, [], 0
         return request

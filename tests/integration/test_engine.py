@@ -303,6 +303,36 @@ def test_a_repeated_prompt_copies_the_past_answer_from_its_first_step(model_path
     assert repeat.accepted == repeat.drafted > 0 and len(generating) <= -(-(len(out) - 1) // 5)
 
 
+@pytest.mark.parametrize("shadowed", [True, False], ids=["checked-unverified", "verified-only"])
+def test_a_copy_priced_out_by_its_prior_is_checked_unverified_until_it_pays(model_path, prompts, shadowed, monkeypatch):
+    """Rows priced so that a copy pays only if nearly every copied token is right (t(k+1) = 1 + 0.97 k one-row
+    decodes): at the longest match class's prior (0.95) the repeat of a past answer drafts nothing at first, its
+    copies are checked against the tokens it picks instead, and once they have shown its class right often enough
+    it copies, every copied row accepted.  Learning only from verified copies, it would never start."""
+    if not shadowed:
+        monkeypatch.setattr(Engine, "_shadowed", lambda self, bucket, depth, matched: None)
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=2, drafting=Drafting(lookup_depth=4))
+        engine.cost = StepCost({1: 10.0, 5: 48.8})
+        engine.cost.observe = lambda rows, ms: None  # the prices stay what the test says
+        first = Request(prompts[2], 40)
+        engine.submit(first)
+        for _ in engine.run():
+            pass
+        prior = engine.trusted[32].rate
+        repeat = Request(prompts[2], 40)
+        engine.submit(repeat)
+        drafted = [rec.draft_rows for rec, _ in engine.run() if rec and not rec.prompt_rows]
+    assert repeat.out == first.out and len(repeat.out) == 40
+    assert prior == pytest.approx(0.95) and drafted[0] == 0  # priced out at the prior
+    if shadowed:
+        assert repeat.accepted == repeat.drafted > 0, drafted
+        assert engine.trusted[32].reached > repeat.drafted  # the unverified copies' evidence came first
+    else:
+        assert repeat.drafted == 0 and engine.trusted[32].reached == 0
+
+
 def test_a_request_in_flight_lends_its_answer_to_a_repeat_behind_it(model_path, prompts, reference):
     """Two slots, the same prompt: the repeat arrives while the first is 10 tokens ahead, and copies from the
     first's answer so far (``SuffixRequest.propose(peers=...)``) before that answer is finished or cached."""

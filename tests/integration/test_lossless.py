@@ -22,7 +22,9 @@ def plain_outputs(hs) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_untrained_draft_output_equals_plain(hs, plain_outputs, k):
-    for p in PROMPTS:
+    """The real draft model's proposals, nearly all rejected, on every other prompt (two of mt_bench, one of each
+    other set): the oracle test below exercises every acceptance length on all ten."""
+    for p in PROMPTS[::2]:
         out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=k)
         assert out.tokens == plain_outputs[p], f"k={k} diverged on {p[:50]!r}"
         assert all(r.drafted <= k for r in out.stats.rounds) and out.stats.rounds

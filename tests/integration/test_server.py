@@ -833,7 +833,8 @@ def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_pa
     """``serve MODEL`` with no draft model: 4 slots (llama-server's default), prompt-lookup rows priced on the
     batch, and greedy answers equal to the one-sequence server's.  Whether copies pay beside three other
     generating slots depends on this machine's measured row costs; the same request again, alone, copies its
-    past answer whole (a match of its full length, one slot generating), which pays on any machine."""
+    past answer (a match of its full length, one slot generating), checked unverified until its match class has
+    shown itself right (``Engine._shadowed``), which pays wherever a few rows cost less than as many decodes."""
     prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
     cases = [prompt, *PROMPTS[:3]]
     alone = [http.post("/v1/chat/completions", json=chat_body(p, max_tokens=48)).json() for p in cases]
