@@ -139,10 +139,13 @@ def chain_equal(a: np.ndarray, ref: np.ndarray) -> float:
 @click.option("-k", "k", default=3, show_default=True, help="proposals per timed chain")
 @click.option("--rounds", default=300, show_default=True, help="timed chains per setting and way")
 @click.option("--context", default=300, show_default=True, help="cached positions before timing")
+@click.option("--positions", default=300, show_default=True,
+              help="held-out positions after those: each proposes a chain for the equality check (a few mismatches "
+                   "among 300 chains move it by 0.3 points each), and the timed rounds cycle through them")
 @click.option("--threads", "target_threads", default=2, show_default=True, help="the target's threads")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, rounds: int, context: int, target_threads: int,
-         json_out: str | None) -> None:
+def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, rounds: int, context: int, positions: int,
+         target_threads: int, json_out: str | None) -> None:
     from hetero_spec.api import draft_taps
     from hetero_spec.draft import native
     from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
@@ -155,7 +158,7 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
     names = names or tuple(CUDA_SETTINGS if device == "cuda" else SETTINGS)
     with LlamaTarget(model, TargetOptions(n_ctx=4096, n_threads=target_threads, embeddings=True,
                                           taps=draft_taps(draft))) as target:
-        ids = held_out_ids(target, context + 300)
+        ids = held_out_ids(target, context + positions)
         hidden, _ = target.prefill(ids)
         hidden = np.array(hidden, dtype=np.float32)
         target.reset()
@@ -198,7 +201,12 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
                    f"equal to float32: k=1 {equal[n][0]:.1%}, chain {equal[n][1]:.1%} ({span} positions)")
     if json_out:
         with open(json_out, "w", encoding="utf-8") as fh:
-            command = f'python scripts/bench_draft_step.py "$(python scripts/default_model.py)" --rounds {rounds} --json {json_out}'
+            extra = [f"{flag} {value}" for flag, value, default in (
+                ("--device", device, "cpu"), ("--positions", positions, 300), ("--context", context, 300), ("-k", k, 3),
+                ("--threads", target_threads, 2)) if value != default]
+            extra += [f"--setting {n}" for n in names] if names != tuple(SETTINGS if device == "cpu" else CUDA_SETTINGS) else []
+            command = " ".join(['python scripts/bench_draft_step.py "$(python scripts/default_model.py)"',
+                                f"--rounds {rounds}", *extra, f"--json {json_out}"])
             json.dump({"command": command, "k": k, "context": context, "rounds": rounds, "machine": machine(), "settings": out},
                       fh, indent=1)
 

@@ -50,6 +50,7 @@ SUFFIX_STEEP = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft-steep.json"  # 20 
 SUFFIX_CURVE_STEEP = "calibration/smollm2-q4_0-xeon-amx-vm-steep.json"  # no draft, the same host, the same session
 SUFFIX_REPLAY = "suffix/replay-steep.json"  # scripts/replay_suffix.py on that curve
 DRAFT_STEP = "draft_step/smollm2-q4_0-xeon-amx-vm.json"
+DRAFT_STEP_EPYC = "draft_step/smollm2-q4_0-epyc.json"  # the same, with --positions 1200
 TREE_DRAFT = "draft_step/smollm2-q4_0-epyc-tree-draft.json"  # scripts/bench_tree_draft.py: native against torch
 KERNELS = "kernels/smollm2-q4_0-xeon-amx-vm.json"
 SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
@@ -264,15 +265,17 @@ def t_draft_acceptance() -> str:
     return "\n".join(lines) + "\n\n" + bench_meta_line(CHAIN) + "\n\n" + sources_footer(CHAIN)
 
 
-def t_draft_step() -> str:
-    d = load(DRAFT_STEP)
+def t_draft_step(rel: str = DRAFT_STEP) -> str:
+    d = load(rel)
     lines = ["| setting (`--setting`) | weights | threads | ms per step, after a target decode | back to back "
              "| equal to float32, first proposal / chain |", "|---|---|---:|---:|---:|---:|"]
     for name, s in d["settings"].items():
         lines.append(f"| `{name}` | {s['weights']} | {s['threads']} | {s['ms_per_step_after_target']:.2f} "
                      f"| {s['ms_per_step']:.2f} | {s['equal_k1']:.1%} / {s['equal_chain']:.1%} |")
+    positions = max(s["positions"] for s in d["settings"].values())
     return (("\n".join(lines)) + f"\n\nChains of k={d['k']} from real rows, {d['context']} cached positions, "
-            f"{d['rounds']} rounds, settings interleaved.\n\n" + sources_footer(DRAFT_STEP))
+            f"{d['rounds']} rounds, settings interleaved; equality over the chains from {positions} held-out "
+            "positions.\n\n" + sources_footer(rel))
 
 
 def t_tree_draft() -> str:
@@ -504,6 +507,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "draft-acceptance": (t_draft_acceptance, [CHAIN]),
     "laptop-shapes": (t_laptop_shapes, [SHAPES]),
     "draft-step": (t_draft_step, [DRAFT_STEP]),
+    "draft-step-epyc": ((lambda: t_draft_step(DRAFT_STEP_EPYC)), [DRAFT_STEP_EPYC]),
     "tree-draft": (t_tree_draft, [TREE_DRAFT]),
     "kernels": (t_kernels, [KERNELS]),
     "server-one-client": (t_server_one_client, [SERVER_ONE]),

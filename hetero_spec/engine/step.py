@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
