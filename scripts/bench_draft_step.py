@@ -1,6 +1,6 @@
 """The draft step as the runtime runs it: the shipped draft, the target's real rows, interleaved settings.
 
-    python scripts/bench_draft_step.py MODEL.gguf [DRAFT.safetensors] [--setting NAME ...] [--rounds 300]
+    python scripts/bench_draft_step.py MODEL.gguf [DRAFT.safetensors] [--setting NAME ...] [--rounds 300] [--positions 1200]
     python scripts/bench_draft_step.py MODEL.gguf --device cuda      # the CUDA settings (scripts/gpu_proof.sh)
 
 Loads the draft against the target exactly as ``hetero-spec run`` does (``api.load_runner``: the
@@ -140,8 +140,8 @@ def chain_equal(a: np.ndarray, ref: np.ndarray) -> float:
 @click.option("--rounds", default=300, show_default=True, help="timed chains per setting and way")
 @click.option("--context", default=300, show_default=True, help="cached positions before timing")
 @click.option("--positions", default=300, show_default=True,
-              help="held-out positions after those: each proposes a chain for the equality check (a few mismatches "
-                   "among 300 chains move it by 0.3 points each), and the timed rounds cycle through them")
+              help="held-out positions after those: each proposes a chain for the equality check (over 300, one or "
+                   "two mismatched chains move it by half a point), and the timed rounds cycle through them")
 @click.option("--threads", "target_threads", default=2, show_default=True, help="the target's threads")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, rounds: int, context: int, positions: int,
