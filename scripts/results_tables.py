@@ -340,11 +340,13 @@ def _best_ngram(d: dict) -> str:
 def t_server_slots(rel: str = SERVER_SLOTS) -> str:
     d = load(rel)
     b = d["batched"]
-    lines = ["| server | speculation | aggregate tokens/s | time to first token p50 / p95 | greedy texts equal to one "
-             "sequence alone |", "|---|---|---:|---|---|"]
+    from hetero_spec.bench.server_load import paired_ratio, peer_of
+
+    lines = ["| server | speculation | aggregate tokens/s | against llama-server: ratio of medians / median per pass "
+             "| time to first token p50 / p95 | greedy texts equal to one sequence alone |", "|---|---|---:|---|---|---|"]
     one = d["load"]
     lines.append(f"| hetero-spec, one sequence at a time | {'the draft model (`auto`)' if d['draft'] else 'off'} "
-                 f"| {one['aggregate_tps']:.1f} | "
+                 f"| {one['aggregate_tps']:.1f} | | "
                  f"{one['ttft_s']['p50']:.2f} s / {one['ttft_s']['p95']:.2f} s | (the reference) |")
     names = {"hetero-spec": f"hetero-spec `--parallel {b['parallel']}`", "llama-server": f"llama-server `-np {b['parallel']}`"}
     specs = {("hetero-spec", "on"): "copy drafts priced on the batch", ("llama-server", "off"): "off",
@@ -354,10 +356,14 @@ def t_server_slots(rel: str = SERVER_SLOTS) -> str:
         spec = specs.get((c["server"], c["spec"]), f"`--spec-type {c['spec']}`")
         same = {True: "yes", False: "no", None: "-"}[c.get("texts_equal_one_sequence")]
         if "aggregate_tps" not in c:
-            lines.append(f"| {names[c['server']]} | {spec} | crashed in every pass | | |")
+            lines.append(f"| {names[c['server']]} | {spec} | crashed in every pass | | | |")
             continue
         crashed = f" ({len(c['errors'])} of {b['passes']} passes crashed)" if c.get("errors") else ""
-        lines.append(f"| {names[c['server']]} | {spec} | {c['aggregate_tps']:.1f}{crashed} | {c['ttft_p50_s']:.2f} s / "
+        peer = peer_of(c, b["configs"])
+        paired = paired_ratio(c, peer) if peer else None
+        vs = (f"{c['aggregate_tps'] / peer['aggregate_tps']:.2f}x / " + (f"{paired:.2f}x" if paired is not None else "-")
+              + f" (`{peer['spec']}`)") if peer else ""
+        lines.append(f"| {names[c['server']]} | {spec} | {c['aggregate_tps']:.1f}{crashed} | {vs} | {c['ttft_p50_s']:.2f} s / "
                      f"{c['ttft_p95_s']:.2f} s | {same} |")
     return ("\n".join(lines) + f"\n\n{one['clients']} concurrent streaming clients, {one['requests']} requests in all "
             f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(rel))

@@ -332,6 +332,28 @@ def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, cl
     return out
 
 
+def peer_of(config: dict, configs: list[dict]) -> dict | None:
+    """The llama-server configuration a hetero-spec one is compared with: the same mode (speculation off), else
+    llama-server's best n-gram mode of the run (by its median tokens/s)."""
+    if config["server"] != "hetero-spec":
+        return None
+    base = {c["spec"]: c for c in configs if c["server"] == "llama-server" and "aggregate_tps" in c}
+    return base.get(config["spec"]) or max((v for k, v in base.items() if k.startswith("ngram")),
+                                           key=lambda v: v["aggregate_tps"], default=None)
+
+
+def paired_ratio(ours: dict, peer: dict) -> float | None:
+    """The median over passes of ours / peer's tokens/s in the same pass; None unless both ran every pass.
+
+    WHY beside the ratio of the medians: each pass runs every configuration once, minutes apart at most, so a
+    pass's pair shares the host's spell, while the two medians may come from different spells.  On the 2-core
+    EPYC VM one configuration's passes spread over 206-283 tokens/s within a run."""
+    a, b = ours.get("aggregate_tps_passes") or [], peer.get("aggregate_tps_passes") or []
+    if not a or len(a) != len(b) or ours.get("errors") or peer.get("errors"):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def _warm_load(url: str, prompts, clients, per_client, max_tokens) -> dict:
     import httpx
 
@@ -458,17 +480,15 @@ def report(r: dict) -> None:
         click.echo(f"load: {_load_summary(lo, queue=True)}")
     if "batched" in r:
         b = r["batched"]
-        base = {c["spec"]: c for c in b["configs"] if c["server"] == "llama-server" and "aggregate_tps" in c}
         click.echo(f"batched, -np/--parallel {b['parallel']}, medians of {b['passes']} interleaved passes:")
         for c in b["configs"]:
             if "aggregate_tps" not in c:
                 click.echo(f"  {c['server']:12s} spec {c['spec']:12s} failed every pass: {c['errors'][0]}")
                 continue
-            # speculation on: against llama-server's best n-gram mode of this run
-            peer = base.get(c["spec"]) or max((v for k, v in base.items() if k.startswith("ngram")),
-                                              key=lambda v: v["aggregate_tps"], default=None)
-            vs = f"; {c['aggregate_tps'] / peer['aggregate_tps']:.2f}x llama-server {peer['spec']}" \
-                if c["server"] == "hetero-spec" and peer else ""
+            peer = peer_of(c, b["configs"])  # speculation on: llama-server's best n-gram mode of this run
+            paired = paired_ratio(c, peer) if peer else None
+            vs = (f"; {c['aggregate_tps'] / peer['aggregate_tps']:.2f}x llama-server {peer['spec']}"
+                  + (f" (median per pass {paired:.2f}x)" if paired is not None else "")) if peer else ""
             same = f"; greedy texts equal one-sequence: {c['texts_equal_one_sequence']}" \
                 if "texts_equal_one_sequence" in c else ""
             click.echo(f"  {c['server']:12s} spec {c['spec']:12s} {c['aggregate_tps']:6.1f} tok/s, TTFT p50 "

@@ -104,3 +104,24 @@ def test_run_result_refuses_inconsistent_answers():
 def test_llama_methods_are_registered_without_needing_a_torch_draft():
     for name in ("llama-server", "llama.cpp-ngram", "llama.cpp-draft", "llama.cpp-eagle3"):
         assert name in METHODS and not METHODS[name].needs_draft
+
+
+def test_batched_figures_pair_each_pass_with_the_peer_of_its_mode():
+    """Ours against llama-server's same mode, else its best n-gram mode; the per-pass ratio pairs the passes (which
+    share the host's spell) and is left out where a pass failed on either side."""
+    from hetero_spec.bench.server_load import paired_ratio, peer_of
+
+    def cfg(server, spec, passes, errors=()):
+        return {"server": server, "spec": spec, "aggregate_tps": sorted(passes)[len(passes) // 2],
+                "aggregate_tps_passes": passes, "errors": list(errors)}
+
+    off, llama_off = cfg("hetero-spec", "off", [100.0, 90.0, 80.0]), cfg("llama-server", "off", [50.0, 100.0, 40.0])
+    on = cfg("hetero-spec", "on", [260.0, 200.0, 215.0])
+    simple, mod = cfg("llama-server", "ngram-simple", [300.0, 300.0, 300.0]), cfg("llama-server", "ngram-mod",
+                                                                                   [230.0, 250.0, 215.0])
+    configs = [off, llama_off, on, simple, mod]
+    assert peer_of(off, configs) is llama_off and peer_of(on, configs) is simple and peer_of(llama_off, configs) is None
+    assert paired_ratio(off, llama_off) == pytest.approx(2.0)  # passes 2.0, 0.9, 2.0; the medians' ratio is 1.8
+    assert paired_ratio(on, mod) == pytest.approx(1.0)  # 1.13, 0.8, 1.0
+    failed = cfg("llama-server", "ngram-mod", [230.0, 250.0], errors=["ReadTimeout"])
+    assert paired_ratio(on, failed) is None
