@@ -151,6 +151,7 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
     from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
     table = {**SETTINGS, **CUDA_SETTINGS}
+    asked = names  # as given on the command line, for the recorded command
     if not names and device == "cpu" and native.load_library() is None:  # asked for by name, it fails clearly instead
         click.echo("the native draft step did not build here (no C++ compiler with OpenMP): its settings are left out",
                    err=True)
@@ -204,7 +205,7 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
             extra = [f"{flag} {value}" for flag, value, default in (
                 ("--device", device, "cpu"), ("--positions", positions, 300), ("--context", context, 300), ("-k", k, 3),
                 ("--threads", target_threads, 2)) if value != default]
-            extra += [f"--setting {n}" for n in names] if names != tuple(SETTINGS if device == "cpu" else CUDA_SETTINGS) else []
+            extra += [f"--setting {n}" for n in asked]
             command = " ".join(['python scripts/bench_draft_step.py "$(python scripts/default_model.py)"',
                                 f"--rounds {rounds}", *extra, f"--json {json_out}"])
             json.dump({"command": command, "k": k, "context": context, "rounds": rounds, "machine": machine(), "settings": out},
