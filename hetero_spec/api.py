@@ -293,10 +293,12 @@ class HeteroSpec:
         from the machine's cost curve (measured quickly and cached on first use) and the
         running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
         depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
-        ``lookup``: with ``"auto"``, also draft by prompt lookup where that pays.  ``suffix``: with
-        ``"auto"``, draft trees from the suffix structure over the prompt, the output and past outputs
-        (``suffix_cache``, default ``self.suffix_cache``) instead of prompt lookup; None: on without a
-        draft model (which then needs none: ``"auto"`` runs plain rounds and copies), off with one.  With ``stream``
+        ``lookup``: with ``"auto"``, also draft by copying repeated text where that pays (False: no copies).
+        ``suffix``: with ``"auto"``, copy trees from the suffix structure over the prompt, the output and past
+        outputs (``suffix_cache``, default ``self.suffix_cache``) instead of prompt lookup; None: as ``lookup``.
+        Without a draft model ``"auto"`` then needs none: it runs plain rounds and copies.  WHY on beside a draft
+        model too: with the shipped darter it runs ahead of prompt lookup where answers restate earlier text, and
+        level elsewhere (``docs/suffix.md``).  With ``stream``
         the result is an iterator of text pieces whose ``stats`` fill in.  ``cancel``: asked after
         every round; True ends the generation there (stop reason ``"cancelled"``, no held-back
         tail), so a server whose client left frees the model within one round.  ``draft_model`` False: with
@@ -308,7 +310,7 @@ class HeteroSpec:
         check_type("sampling", sampling, SamplingConfig)
         check_type("tree", tree, TreeSpec)
         check_type("suffix_cache", suffix_cache, SuffixCache)
-        suffix = self.draft is None if suffix is None else suffix
+        suffix = lookup if suffix is None else suffix
         copies = draft_len == "auto" and (suffix or lookup)  # sources that need no draft model
         model = self.draft is not None and draft_model
         with self._turn():

@@ -45,10 +45,10 @@ def cli() -> None:
 @click.option("--draft-p-min", type=FiniteFloat(), help="stop drafting when the draft's top probability falls below (default: 0.1 with auto)")
 @click.option("--no-draft", is_flag=True, help="plain decoding through the same code, for comparison")
 @click.option("--lookup/--no-lookup", default=True, show_default=True,
-              help="with --draft-len auto, also draft by prompt lookup (repeated n-grams) where that pays")
+              help="with --draft-len auto, also draft by copying repeated text where that pays")
 @click.option("--suffix/--no-suffix", default=None,
-              help="with --draft-len auto, draft trees from a suffix structure over the prompt, the output and "
-                   "earlier outputs instead of prompt lookup  [default: on without a DRAFT, off with one]")
+              help="with --draft-len auto, copy from a suffix structure over the prompt, the output and earlier "
+                   "outputs; --no-suffix: prompt lookup (repeated n-grams) instead  [default: as --lookup]")
 @click.option("--suffix-cache", type=click.Path(dir_okay=False, path_type=Path),
               help="load earlier outputs for the suffix structure from FILE if it exists, save them there at the end")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")

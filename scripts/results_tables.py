@@ -41,8 +41,8 @@ SETS7 = ["grounded", "multiturn", "agentic", "mt_bench", "humaneval", "gsm8k", "
 SETS4 = ["mt_bench", "humaneval", "gsm8k", "alpaca", "all"]
 
 # The runs the tables read (paths relative to results/).
-WITH_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-darter.json"
-NO_DRAFT = "bench/smollm2-q4_0-xeon-amx-vm-7sets-no-draft.json"
+WITH_DRAFT = "bench/smollm2-q4_0-epyc-7sets-darter.json"
+NO_DRAFT = "bench/smollm2-q4_0-epyc-7sets-no-draft.json"
 CHAIN = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter.json"
 CHAIN_STEEP = "bench/smollm2-q4_0-xeon-amx-vm-chain-k3-darter-steep.json"  # the same command on a steeper t(n)
 CURVE_STEEP = "calibration/smollm2-q4_0-darter-xeon-amx-vm-steep.json"
@@ -145,13 +145,13 @@ def t_headline() -> str:
     d, n, c = summary(WITH_DRAFT), summary(SUFFIX_STEEP), summary(CHAIN)
     one, slots = load(SERVER_ONE)["overhead"], load(SERVER_SLOTS_STEEP)
     rows = [
-        ("`run`/`bench` `auto`, shipped darter draft (draft + prompt lookup)", x(d[("auto", "all")]["speedup"]),
-         set_range(d, "auto", SETS7), equal(d, "auto"), "a"),
+        ("`run`'s default (`--draft-len auto`), shipped darter draft (draft + suffix trees)",
+         x(d[("auto-suffix", "all")]["speedup"]), set_range(d, "auto-suffix", SETS7), equal(d, "auto-suffix"), "a"),
         ("`auto`, no draft model (suffix trees over prompt, output, past outputs)",
          x(n[("auto-suffix", "all")]["speedup"]), set_range(n, "auto-suffix", SETS7), equal(n, "auto-suffix"), "b"),
         ("fixed chain k=3, shipped darter draft", x(c[("chain-k3", "all")]["speedup"]), set_range(c, "chain-k3", SETS4),
          equal(c, "chain-k3"), "c"),
-        ("`auto` in the same run as the chain", x(c[("auto", "all")]["speedup"]), set_range(c, "auto", SETS4),
+        ("`auto --no-suffix` (draft + prompt lookup) in the same run as the chain", x(c[("auto", "all")]["speedup"]), set_range(c, "auto", SETS4),
          equal(c, "auto"), "c"),
         ("llama.cpp's n-gram speculation (llama-server `--spec-type ngram-simple`)",
          x(d[("llama.cpp-ngram", "all")]["speedup"]), set_range(d, "llama.cpp-ngram", SETS7),
@@ -181,8 +181,8 @@ def t_headline() -> str:
 
 def t_speedup_7sets() -> str:
     d, n = summary(WITH_DRAFT), summary(NO_DRAFT)
-    methods = [("auto", d, "`auto` (darter draft + prompt lookup)"),
-               ("auto-suffix", d, "`auto-suffix` (darter draft + suffix trees)"),
+    methods = [("auto-suffix", d, "`auto-suffix` (darter draft + suffix trees: `run`'s default)"),
+               ("auto", d, "`auto` (darter draft + prompt lookup: `run --no-suffix`)"),
                ("auto-suffix", n, "`auto-suffix`, no draft model"),
                ("llama.cpp-ngram", d, "llama.cpp `ngram-simple`"),
                ("llama.cpp-ngram-mod", d, "llama.cpp `ngram-mod`"),
@@ -602,7 +602,7 @@ def plot(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     d, n = summary(WITH_DRAFT), summary(NO_DRAFT)
-    series = [("auto (darter + lookup)", d, "auto"), ("auto-suffix, no draft model", n, "auto-suffix"),
+    series = [("auto, darter + suffix trees (run's default)", d, "auto-suffix"), ("auto, no draft model", n, "auto-suffix"),
               ("llama.cpp ngram-simple", d, "llama.cpp-ngram")]
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(series)

@@ -130,11 +130,13 @@ class LlamaCppRun:
 
 
 class HeteroSpecRun:
-    """Methods (4) and later: ``HeteroSpec.generate`` with the given options (draft_len, ...)."""
+    """Methods (4) and later: ``HeteroSpec.generate`` with the given options (draft_len, ...); prompt lookup rather
+    than the suffix structure unless ``suffix=True`` (``SuffixRun``), so no method drafts from the answers the
+    other methods left in the shared ``HeteroSpec``'s suffix cache."""
 
     def __init__(self, hs, **options: Any) -> None:
         self.hs = hs
-        self.options = options
+        self.options = {"suffix": False, **options}
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunResult:
         self.hs.reset()  # both KV caches: the prompt is prefilled from scratch

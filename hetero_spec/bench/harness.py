@@ -98,11 +98,11 @@ register(Method("chain", "hetero-spec chain drafting, k drafts per round",
 for _k in range(1, 9):  # a fixed chain length each, so one interleaved run can sweep k (--methods chain-k1,chain-k2,...)
     register(Method(f"chain-k{_k}", f"hetero-spec chain drafting, {_k} drafts per round",
                     lambda c, k=_k: c.hetero_run(draft_len=k), needs_draft=True, speculative=True))
-register(Method("auto", "hetero-spec --draft-len auto: draft-model or prompt-lookup chain sized per round from "
-                        "the cost curve, measured round costs and acceptance",
+register(Method("auto", "hetero-spec --draft-len auto --no-suffix: draft-model or prompt-lookup chain sized per "
+                        "round from the cost curve, measured round costs and acceptance",
                 lambda c: c.hetero_run(draft_len="auto"), needs_draft=True, speculative=True))
-register(Method("auto-suffix", "hetero-spec --draft-len auto --suffix: the draft model (if any) and trees from the "
-                               "suffix structure over the prompt, the output and this method's earlier outputs",
+register(Method("auto-suffix", "hetero-spec --draft-len auto (run's default): the draft model (if any) and trees "
+                               "from the suffix structure over the prompt, the output and this method's earlier outputs",
                 lambda c: c.own(SuffixRun(c.hs, draft_len="auto")), speculative=True))
 register(Method("auto-lookup", "hetero-spec --draft-len auto with the draft model left out: prompt-lookup chains "
                                "only (the runtime's lookup-only, beside the draft in the same run)",

@@ -128,15 +128,25 @@ def test_auto_without_a_draft_model_uses_the_suffix_structure_and_stays_lossless
     assert len(bare.suffix_cache) == len(PROMPTS)  # a repeated prompt replaces its entry
 
 
-def test_suffix_beside_a_draft_model_stays_lossless(hs):
-    cache = SuffixCache()
-    for p in PROMPTS[:3]:
-        hs.reset()
-        plain = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=0).tokens
-        out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, suffix=True, suffix_cache=cache)
-        assert out.tokens == plain, f"diverged on {p[:50]!r}"
-        assert not any(r.source == "lookup" for r in out.stats.rounds)  # the suffix structure replaces lookup
-    assert len(cache) == 3
+def test_auto_beside_a_draft_model_copies_from_the_suffix_structure_by_default_and_stays_lossless(hs):
+    """The default of ``generate``/``chat`` (and of ``run``) with a draft model: the suffix structure in prompt
+    lookup's place, fed by the object's own cache; ``suffix=False`` goes back to prompt lookup."""
+    from tests.curves import cheap_rows_in
+
+    hs.suffix_cache.clear()
+    sources: dict[bool | None, set[str]] = {None: set(), False: set()}
+    with cheap_rows_in(hs):  # copying pays whatever this machine's curve
+        for p in PROMPTS[:3]:
+            hs.reset()
+            plain = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, draft_len=0).tokens
+            for suffix in sources:
+                out = hs.chat([{"role": "user", "content": p}], max_new_tokens=N_NEW, suffix=suffix)
+                assert out.tokens == plain, f"diverged on {p[:50]!r} with suffix={suffix}"
+                sources[suffix] |= {r.source for r in out.stats.rounds if r.drafted}
+    assert "suffix" in sources[None] and "lookup" not in sources[None]  # the suffix structure replaces lookup
+    assert "lookup" in sources[False] and "suffix" not in sources[False]
+    assert len(hs.suffix_cache) == 3  # the default runs fed the object's cache; suffix=False runs did not
+    hs.suffix_cache.clear()
 
 
 def test_run_without_a_draft_copies_and_keeps_its_cache_in_a_file(model_path, tmp_path):

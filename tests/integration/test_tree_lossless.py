@@ -498,7 +498,7 @@ def test_auto_without_its_draft_model_drafts_by_lookup_alone_and_equals_plain(hs
         with cheap_rows_in(hs):
             assert hs._policy(SpecConfig(draft_len="auto")).max_depth > 0
             assert hs._policy(SpecConfig(draft_len="auto", draft_model=False)).max_depth == 0
-            out = hs.generate(prompt, max_new_tokens=48, draft_len="auto", draft_model=False)
+            out = hs.generate(prompt, max_new_tokens=48, draft_len="auto", draft_model=False, suffix=False)
     finally:
         for name, fn in originals.items():
             setattr(hs.draft, name, fn)
