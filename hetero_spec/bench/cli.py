@@ -185,7 +185,35 @@ def calibrate(model, draft, threads, quick, repeats, draft_device, out, plot) ->
     if draft is not None:
         click.echo(f"draft step: {curve.draft_step_ms:.3f} ms (+{curve.draft_switch_ms:.3f} ms for a round's first "
                    "step, right after a target decode)")
+    click.echo(break_even_lines(curve, draft))
     click.echo(f"wrote {path} and {png}", err=True)
+
+
+BREAK_EVEN_K = range(1, 9)
+
+
+def break_even_lines(curve, draft: Path | None) -> str:
+    """What a draft must reach to pay on this machine: the break-even mean accepted length per chain length, for
+    copies and (with DRAFT) the draft model's chains, beside the draft's own held-out estimate where its file has
+    one.  WHY: whether a draft can pay is mostly a property of the machine (t(k+1)/t(1)), known before any bench."""
+    from ..draft.checkpoint import read_held_out_acceptance
+    from ..spec.policy import break_even, expected_emitted
+
+    def row(label: str, values) -> str:
+        return f"  {label:<40}" + " ".join(f"{v:5.2f}" for v in values)
+
+    lines = ["break-even mean accepted length (tokens a round) of chains of k drafts, against plain decoding:",
+             f"  {'k':<40}" + " ".join(f"{k:5d}" for k in BREAK_EVEN_K),
+             row("copies (suffix trees, prompt lookup)", [break_even(curve, k, "lookup") for k in BREAK_EVEN_K])]
+    if draft is not None:
+        lines.append(row("the draft model's chain", [break_even(curve, k) for k in BREAK_EVEN_K]))
+        alphas = list(read_held_out_acceptance(draft))
+        if alphas:
+            lines.append(row("this draft, its trainer's estimate", [expected_emitted(alphas[:k]) for k in BREAK_EVEN_K
+                                                                      if k <= len(alphas)]))
+            lines.append("  (the trainer's estimate overstates what runs measure: judge by "
+                         "hetero-spec bench MODEL DRAFT --methods raw,chain-k3)")
+    return "\n".join(lines)
 
 
 bench.add_command(calibrate, "curve")

@@ -184,6 +184,13 @@ def round_cost_ms(curve: Curve, shape: Shape) -> float:
     return curve.verify_time_ms(1 + shape.tokens) + draft
 
 
+def break_even(curve: Curve, k: int, source: str = "draft") -> float:
+    """The mean accepted length (tokens a round) at which chains of ``k`` drafts from ``source`` match plain
+    decoding on ``curve``: such a round's cost in one-row decodes.  A property of the machine alone, so a user
+    can set it beside a draft's measured acceptance before training or running one."""
+    return round_cost_ms(curve, Shape(k, source=source)) / round_cost_ms(curve, Shape(0))
+
+
 def best_shape(curve: Curve, alphas: list[float], width: int, total: int, max_depth: int,
                min_gain: float = 1.0, drafted_scale: float = 1.0) -> tuple[Shape, float]:
     """argmax over depth 0..max_depth of E / T; returns the shape and its tokens per ms.

@@ -173,8 +173,16 @@ def test_cli_calibrate(model_path, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [ln for ln in proc.stdout.splitlines() if ln and ln[0].isdigit()]
     assert [int(r.split("\t")[0]) for r in rows] == list(range(1, 33))
-    assert CostCurve.from_json(out.read_text()).draft_step_ms == 0.0  # no draft given
+    curve = CostCurve.from_json(out.read_text())
+    assert curve.draft_step_ms == 0.0  # no draft given
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    # what a draft must reach to pay here: a copied chain of k drafts costs t(k+1) / t(1) plain decodes
+    lines = proc.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("break-even"))
+    assert lines[at + 1].split() == ["k", *map(str, range(1, 9))]
+    copies = [float(v) for v in lines[at + 2].split()[-8:]]
+    assert copies == pytest.approx([curve.verify_time_ms(k + 1) / curve.verify_time_ms(1) for k in range(1, 9)], abs=0.006)
+    assert "draft model" not in proc.stdout  # no draft given: no draft rows
 
 
 class ClockTarget:
@@ -246,3 +254,26 @@ def test_the_first_auto_run_measures_the_curve_outside_the_requests_timings(mode
         elapsed = time.perf_counter() - t0
     assert len(spent) == 1 and out.stats.new_tokens == 8
     assert out.stats.prefill_s < out.stats.wall_s <= elapsed - spent[0]
+
+
+def test_break_even_lines_set_a_trained_draft_s_own_estimate_beside_what_its_chains_need():
+    """``calibrate MODEL DRAFT`` ends with what each chain length must reach here, for copies and for the draft's
+    chains (its forwards priced as auto prices them), and the estimate the draft's trainer recorded."""
+    from pathlib import Path
+
+    from hetero_spec.bench.cli import break_even_lines
+    from hetero_spec.draft.checkpoint import read_held_out_acceptance
+    from hetero_spec.spec.policy import expected_emitted
+
+    darter = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-darter.safetensors"
+    curve = CostCurve({n: 5.0 + 4.0 * (n - 1) for n in range(1, 33)}, 0.3, {n: 0.3 + 0.05 * n for n in range(1, 33)},
+                      draft_switch_ms=0.2)
+    rows = {ln[:42].strip(): [float(v) for v in ln[42:].split()] for ln in break_even_lines(curve, darter).splitlines()
+            if ln.startswith("  ") and not ln.startswith("  (")}
+    copies, chain = rows["copies (suffix trees, prompt lookup)"], rows["the draft model's chain"]
+    assert copies == pytest.approx([(5.0 + 4.0 * k) / 5.0 for k in range(1, 9)], abs=0.006)
+    assert all(c > p for c, p in zip(chain, copies))  # a draft forward per depth on top of the same rows
+    alphas = read_held_out_acceptance(darter)
+    assert len(alphas) >= 3
+    assert rows["this draft, its trainer's estimate"] == pytest.approx(
+        [expected_emitted(list(alphas[:k])) for k in range(1, min(8, len(alphas)) + 1)], abs=0.006)

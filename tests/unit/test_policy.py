@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from hetero_spec.calibration import SETTLE_ROUNDS, CostCurve
-from hetero_spec.spec.policy import (CATCHUP_ROWS, AutoPolicy, MeasuredCost, Shape, best_shape, expected_emitted,
-                                      round_cost_ms)
+from hetero_spec.spec.policy import (CATCHUP_ROWS, AutoPolicy, MeasuredCost, Shape, best_shape, break_even,
+                                      expected_emitted, round_cost_ms)
 
 
 def curve(t1: float, slope: float, step: float) -> CostCurve:
@@ -285,6 +285,15 @@ def test_lookup_rounds_are_costed_without_a_draft_forward():
     c = curve(10.0, 3.0, 0.9)
     assert round_cost_ms(c, Shape(2, source="lookup")) == c.verify_time_ms(3)
     assert round_cost_ms(c, Shape(2)) > round_cost_ms(c, Shape(2, source="lookup"))
+
+
+def test_break_even_is_the_mean_accepted_length_at_which_a_fixed_chain_matches_plain_rounds():
+    c = replace(curve(10.0, 3.0, 0.9), draft_switch_ms=2.0)
+    assert break_even(c, 2, "lookup") == pytest.approx(16.0 / 10.0)  # t(3) / t(1), no draft forward
+    assert break_even(c, 2) == pytest.approx(round_cost_ms(c, Shape(2)) / 10.0) and break_even(c, 2) > 1.6 + 0.29
+    for k in (1, 3):  # a draft accepted so that it emits exactly that many tokens a round runs at plain speed
+        alpha = next(a / 1000 for a in range(1, 1000) if expected_emitted([a / 1000] * k) >= break_even(c, k))
+        assert simulated_rate(c, alpha, Shape(k)) == pytest.approx(1 / 10.0, rel=0.01)
 
 
 def test_drafted_rounds_pay_the_switch_once_and_it_can_turn_drafting_off():
