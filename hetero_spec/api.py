@@ -293,7 +293,8 @@ class HeteroSpec:
         from the machine's cost curve (measured quickly and cached on first use) and the
         running acceptance.  ``tree``: draft an EAGLE-2-style tree instead of a chain (its
         depth is the maximum with ``auto``).  ``sampling``: temperature, top-k/p, min-p, seed.
-        ``lookup``: with ``"auto"``, also draft by copying repeated text where that pays (False: no copies).
+        ``lookup``: with ``"auto"``, also draft by copying repeated text where that pays (False: no copies
+        unless ``suffix=True``).
         ``suffix``: with ``"auto"``, copy trees from the suffix structure over the prompt, the output and past
         outputs (``suffix_cache``, default ``self.suffix_cache``) instead of prompt lookup; None: as ``lookup``.
         Without a draft model ``"auto"`` then needs none: it runs plain rounds and copies.  WHY on beside a draft

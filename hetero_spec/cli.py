@@ -196,7 +196,11 @@ def _parse_parallel(ctx, param, value) -> int:
 @click.option("--tree-depth", default=6, show_default=True, type=click.IntRange(1, 31), help="tree depth")
 @click.option("--tree-top-k", default=2, show_default=True, type=click.IntRange(1, 8), help="children per expansion")
 @click.option("--draft-p-min", type=FiniteFloat(), help="stop drafting when the draft's top probability falls below")
-@click.option("--lookup/--no-lookup", default=True, show_default=True, help="with --draft-len auto, prompt-lookup drafts")
+@click.option("--lookup/--no-lookup", default=True, show_default=True,
+              help="with --draft-len auto, also draft by copying repeated text where that pays")
+@click.option("--suffix/--no-suffix", default=None,
+              help="with one slot (--parallel 1, --tree): copy from the suffix structure over prompts and earlier "
+                   "answers; --no-suffix: prompt lookup instead  [default: as --lookup]")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="target threads (0 = physical cores)")
 @click.option("--ctx", default=4096, show_default=True, type=click.IntRange(MIN_CTX), help="context size in tokens")
 @click.option("--draft-device", default="auto", show_default=True, help=DEVICE_HELP)
@@ -224,8 +228,8 @@ def _parse_parallel(ctx, param, value) -> int:
 @click.option("--cache-ram", default=DEFAULT_CACHE_RAM_MIB, show_default=True, type=click.IntRange(0), metavar="MIB",
               help="with slots: host memory for the cells of past prompts, put back when a later prompt starts alike "
                    "(a conversation's next turn, a shared preamble; 0: off)")
-def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, threads,
-          ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
+def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree_top_k, draft_p_min, lookup, suffix,
+          threads, ctx, draft_device, draft_dtype, denoise, kv_type, host, port, api_key, max_queue, queue_timeout, max_body,
           model_alias, parallel, cache_ram) -> None:
     """Serve MODEL (and DRAFT) over an OpenAI-compatible HTTP API (needs the [server] extra)."""
     from .config import TreeSpec, parse_draft_len
@@ -242,7 +246,7 @@ def serve(model, draft, no_draft, draft_len, tree, tree_tokens, tree_depth, tree
                           draft_device=draft_device, draft_dtype=draft_dtype, denoise=DenoiseConfig(threshold=denoise),
                           kv_type=kv_type, draft_len=0 if no_draft else parse_draft_len(draft_len),
                           tree=TreeSpec(tree_tokens, tree_depth, tree_top_k) if tree else None,
-                          draft_p_min=draft_p_min, lookup=lookup,
+                          draft_p_min=draft_p_min, lookup=lookup, suffix=suffix,
                           parallel=serve_slots(parallel, tree), cache_ram_mib=cache_ram)
     server = ServerConfig(model_id=model_alias or model.name.removesuffix(".gguf"), host=host, port=port,
                           api_key=api_key, max_queue=max_queue, queue_timeout=queue_timeout,

@@ -325,7 +325,7 @@ class SpecConfig:
     # Stop drafting when the draft's best probability at the frontier falls below this
     # (llama.cpp's draft-p-min).  None: AUTO_P_MIN with draft_len "auto", else off.
     draft_p_min: float | None = None
-    # With draft_len "auto": also propose chains by prompt lookup (spec/lookup.py) when they pay.
+    # With draft_len "auto": also draft by copying (the suffix structure, or prompt lookup) when that pays.
     lookup: bool = True
     # With draft_len "auto": False leaves the draft model out, so auto drafts from the copy sources alone
     # (prompt lookup, or the suffix structure), as without a draft file: lookup-only, for comparison.

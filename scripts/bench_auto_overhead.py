@@ -5,7 +5,7 @@
 raw    the bare low-level loop (the bench's baseline) on hetero-spec's own context
 plain  hetero-spec with draft_len=0 (the runtime's own plain path)
 never  the speculative loop with a policy that never drafts (undrafted rounds, embeddings on)
-auto   --draft-len auto (probes, lookup and drafting where it expects a gain)
+auto   --draft-len auto --no-suffix (probes, prompt lookup and drafting where it expects a gain)
 
 Prints, per loop, the median over prompts of speed, prefill time and decode speed against raw; then
 each loop's one-row decodes against raw's at the same position of the same prompt (the llama_decode
@@ -63,10 +63,11 @@ def main(model, draft, datasets, n_prompts, max_new_tokens, threads) -> None:
             hs._policy = (lambda cfg, suffix=False: never) if name == "never" else auto_policy
             hs.reset()
             t0 = time.perf_counter()
-            out = hs.generate(prompt, max_new_tokens=max_new_tokens, draft_len=0 if name == "plain" else "auto")
+            out = hs.generate(prompt, max_new_tokens=max_new_tokens, draft_len=0 if name == "plain" else "auto",
+                              suffix=False)
             return time.perf_counter() - t0, out.stats.prefill_s, len(out.tokens), out.tokens
 
-        hs.generate(prompts[0], max_new_tokens=4, draft_len="auto")  # calibration and warm-up outside the timing
+        hs.generate(prompts[0], max_new_tokens=4, draft_len="auto", suffix=False)  # calibration and warm-up outside the timing
         names = ["raw", "plain", "never", "auto"]
         res: dict[str, list] = {n: [] for n in names}
         for j, prompt in enumerate(prompts):

@@ -82,7 +82,7 @@ def auto_choice(hs: HeteroSpec, n_tokens: int) -> dict:
     curve = hs.cost_curve()
     msgs = [{"role": "user", "content": "Write a limerick about a cat."}]
     hs.reset()
-    s = hs.chat(msgs, max_new_tokens=n_tokens, draft_len="auto").stats
+    s = hs.chat(msgs, max_new_tokens=n_tokens, draft_len="auto", lookup=False).stats  # the draft alone
     depths = [r.drafted for r in s.rounds]
     hypo = {f"alpha={a}": {"chain_k": best_shape(curve, [a] * 8, 1, 0, 8)[0].depth,
                            "tree_depth(w=2,12)": best_shape(curve, [min(1, a + 0.1)] * 6, 2, 12, 6)[0].depth}

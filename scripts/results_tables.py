@@ -220,6 +220,10 @@ def t_suffix_steep() -> str:
             + sources_footer(SUFFIX_STEEP))
 
 
+CHAIN_LABELS = {"chain-k3": "`chain-k3`", "auto": "`auto` (draft + prompt lookup, `--no-suffix`)",
+                "auto-lookup": "`auto-lookup` (prompt lookup alone)"}
+
+
 def t_chain_k3(rel: str = CHAIN) -> str:
     c = summary(rel)
     lines = ["| method | " + " | ".join(SETS4) + " | mean acc. len (all) | draft share of wall time | equal to raw |",
@@ -227,7 +231,7 @@ def t_chain_k3(rel: str = CHAIN) -> str:
     methods = [m for m in ("chain-k3", "auto", "auto-lookup") if (m, "all") in c]  # auto-lookup: lookup-only
     for m in methods:
         split = c[(m, "all")]["split"] or {}
-        lines.append(f"| `{m}` | " + " | ".join(x(c[(m, s)]["speedup"]) for s in SETS4)
+        lines.append(f"| {CHAIN_LABELS[m]} | " + " | ".join(x(c[(m, s)]["speedup"]) for s in SETS4)
                      + f" | {f2(c[(m, 'all')]['mean_accepted_length'])} | {split.get('draft', 0):.0%} | {equal(c, m)} |")
     return "\n".join(lines) + "\n\n" + bench_meta_line(rel) + "\n\n" + sources_footer(rel)
 

@@ -202,11 +202,16 @@ def break_even_lines(curve, draft: Path | None) -> str:
     def row(label: str, values) -> str:
         return f"  {label:<40}" + " ".join(f"{v:5.2f}" for v in values)
 
-    lines = ["break-even mean accepted length (tokens a round) of chains of k drafts, against plain decoding:",
+    def needed(label: str, source: str) -> str:  # "-": above k + 1, more than a round of k drafts can emit
+        values = [break_even(curve, k, source) for k in BREAK_EVEN_K]
+        return f"  {label:<40}" + " ".join(f"{v:5.2f}" if v < k + 1 else f"{'-':>5}" for k, v in zip(BREAK_EVEN_K, values))
+
+    lines = ["break-even mean accepted length (tokens a round) of chains of k drafts, against plain decoding",
+             "(-: k + 1 or more, so such chains never pay here):",
              f"  {'k':<40}" + " ".join(f"{k:5d}" for k in BREAK_EVEN_K),
-             row("copies (suffix trees, prompt lookup)", [break_even(curve, k, "lookup") for k in BREAK_EVEN_K])]
+             needed("copied chains (suffix structure, lookup)", "lookup")]
     if draft is not None:
-        lines.append(row("the draft model's chain", [break_even(curve, k) for k in BREAK_EVEN_K]))
+        lines.append(needed("the draft model's chain", "draft"))
         alphas = list(read_held_out_acceptance(draft))
         if alphas:
             lines.append(row("this draft, its trainer's estimate", [expected_emitted(alphas[:k]) for k in BREAK_EVEN_K

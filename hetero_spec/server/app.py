@@ -43,7 +43,7 @@ def create_app(load: Callable[[], Any], server: ServerConfig, options: dict | No
                slots: int = 1) -> FastAPI:
     """The OpenAI-compatible app around the ``HeteroSpec`` that ``load()`` builds on the worker thread
     (``app.state.worker.hs`` once ready); ``options`` are its drafting options
-    (``EngineConfig.generate_options()``: draft_len, tree, draft_p_min, lookup).
+    (``EngineConfig.generate_options()``: draft_len, tree, draft_p_min, lookup, suffix).
 
     ``slots`` > 1: ``load()`` builds a ``SlotModel`` (a ``SequenceTarget`` of that many sequences, and the
     slots' drafts with a draft file) instead, and requests decode together in the batched engine

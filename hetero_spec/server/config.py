@@ -30,6 +30,7 @@ class EngineConfig:
     tree: TreeSpec | None = None
     draft_p_min: float | None = None
     lookup: bool = True
+    suffix: bool | None = None  # one slot: None as ``lookup``, False prompt lookup (the engine's slots copy by suffix)
     parallel: int = 1  # slots: > 1 decodes that many requests together in the batched engine
     cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB  # with slots: free slots' cells kept in host memory (0: off)
 
@@ -41,13 +42,16 @@ class EngineConfig:
         if self.parallel > 1 and self.tree is not None:
             raise ConfigError("--tree drafts for one sequence at a time: the batched engine (--parallel > 1) verifies "
                               "chains; drop --tree, or serve with --parallel 1")
+        if self.parallel > 1 and self.suffix is False:
+            raise ConfigError("--no-suffix is for one sequence at a time: the batched engine (--parallel > 1) copies "
+                              "from the suffix structure only; serve with --parallel 1, or --no-lookup for no copies")
 
     def generate_options(self) -> dict:
         """Keyword arguments of ``HeteroSpec.generate`` that come from the server, not the request."""
         # without a draft model, auto still drafts from the text itself (suffix structure, prompt lookup);
         # --no-draft arrives here as draft_len 0
         return dict(draft_len=self.draft_len, tree=self.tree,
-                    draft_p_min=self.draft_p_min, lookup=self.lookup)
+                    draft_p_min=self.draft_p_min, lookup=self.lookup, suffix=self.suffix)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class Metrics:
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens of generations", registry=r)
         self.generated_tokens = Counter(f"{PREFIX}_generated_tokens", "tokens generated", registry=r)
         self.rounds = Counter(f"{PREFIX}_rounds", "draft-verify rounds", registry=r)
-        self.drafted = Counter(f"{PREFIX}_drafted_tokens", "tokens proposed by the draft or prompt lookup", registry=r)
+        self.drafted = Counter(f"{PREFIX}_drafted_tokens", "tokens proposed by the draft model or copied from the text", registry=r)
         self.accepted = Counter(f"{PREFIX}_accepted_tokens", "proposed tokens the target accepted", registry=r)
         self.tokens_per_s = Gauge(f"{PREFIX}_tokens_per_second", "decode speed of the last finished generation",
                                   registry=r)

@@ -179,9 +179,10 @@ def test_cli_calibrate(model_path, tmp_path):
     # what a draft must reach to pay here: a copied chain of k drafts costs t(k+1) / t(1) plain decodes
     lines = proc.stdout.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("break-even"))
-    assert lines[at + 1].split() == ["k", *map(str, range(1, 9))]
-    copies = [float(v) for v in lines[at + 2].split()[-8:]]
-    assert copies == pytest.approx([curve.verify_time_ms(k + 1) / curve.verify_time_ms(1) for k in range(1, 9)], abs=0.006)
+    assert lines[at + 2].split() == ["k", *map(str, range(1, 9))]
+    want = [curve.verify_time_ms(k + 1) / curve.verify_time_ms(1) for k in range(1, 9)]
+    copies = [None if v == "-" else float(v) for v in lines[at + 3].split()[-8:]]
+    assert copies == [None if w >= k + 1 else pytest.approx(w, abs=0.006) for k, w in zip(range(1, 9), want)]
     assert "draft model" not in proc.stdout  # no draft given: no draft rows
 
 
@@ -268,11 +269,15 @@ def test_break_even_lines_set_a_trained_draft_s_own_estimate_beside_what_its_cha
     darter = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-darter.safetensors"
     curve = CostCurve({n: 5.0 + 4.0 * (n - 1) for n in range(1, 33)}, 0.3, {n: 0.3 + 0.05 * n for n in range(1, 33)},
                       draft_switch_ms=0.2)
-    rows = {ln[:42].strip(): [float(v) for v in ln[42:].split()] for ln in break_even_lines(curve, darter).splitlines()
-            if ln.startswith("  ") and not ln.startswith("  (")}
-    copies, chain = rows["copies (suffix trees, prompt lookup)"], rows["the draft model's chain"]
+    rows = {ln[:42].strip(): [None if v == "-" else float(v) for v in ln[42:].split()]
+            for ln in break_even_lines(curve, darter).splitlines() if ln.startswith("  ") and not ln.startswith("  (")}
+    copies, chain = rows["copied chains (suffix structure, lookup)"], rows["the draft model's chain"]
+    # t(k+1) / t(1) = 1 + 0.8 k: within reach of a round's k + 1 tokens at every k
     assert copies == pytest.approx([(5.0 + 4.0 * k) / 5.0 for k in range(1, 9)], abs=0.006)
     assert all(c > p for c, p in zip(chain, copies))  # a draft forward per depth on top of the same rows
+    steep = CostCurve({n: 5.0 * n for n in range(1, 33)}, 0.3, {n: 0.3 for n in range(1, 33)})  # a row costs a decode
+    never = next(ln for ln in break_even_lines(steep, None).splitlines() if ln.startswith("  copied"))
+    assert never[42:].split() == ["-"] * 8 and "draft model" not in break_even_lines(steep, None)
     alphas = read_held_out_acceptance(darter)
     assert len(alphas) >= 3
     assert rows["this draft, its trainer's estimate"] == pytest.approx(

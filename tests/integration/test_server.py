@@ -822,11 +822,13 @@ def test_parallel_with_a_draft_model_stays_exact(model_path, http):
         assert srv.stop() == 0, "\n".join(srv.lines[-20:])
 
 
-def test_parallel_with_a_tree_is_refused_in_one_line(model_path):
-    proc = subprocess.run([*CLI, "serve", model_path, DRAFT, "--parallel", "2", "--tree", "--port", "0"],
+@pytest.mark.parametrize("flag, error", [("--tree", "error: --tree drafts for one sequence at a time"),
+                                         ("--no-suffix", "error: --no-suffix is for one sequence at a time")])
+def test_parallel_with_a_one_sequence_option_is_refused_in_one_line(model_path, flag, error):
+    proc = subprocess.run([*CLI, "serve", model_path, DRAFT, "--parallel", "2", flag, "--port", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.startswith("error: --tree drafts for one sequence at a time"), proc.stderr
+    assert proc.stderr.startswith(error) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_path, http):

@@ -128,6 +128,19 @@ def test_auto_without_a_draft_model_uses_the_suffix_structure_and_stays_lossless
     assert len(bare.suffix_cache) == len(PROMPTS)  # a repeated prompt replaces its entry
 
 
+def test_no_lookup_turns_copying_off_and_leaves_the_cache_alone(bare, plain, cheap_rows):
+    """``lookup=False`` (``--no-lookup``) with the suffix default: no copies and nothing cached, where the
+    default copies the same answer."""
+    bare.suffix_cache.clear()
+    off = bare.chat([{"role": "user", "content": REPEAT}], max_new_tokens=N_NEW, lookup=False)
+    assert off.tokens == plain[REPEAT] and not any(r.drafted for r in off.stats.rounds)
+    assert len(bare.suffix_cache) == 0
+    on = bare.chat([{"role": "user", "content": REPEAT}], max_new_tokens=N_NEW)
+    assert on.tokens == plain[REPEAT] and any(r.source == "suffix" and r.drafted for r in on.stats.rounds)
+    assert len(bare.suffix_cache) == 1
+    bare.suffix_cache.clear()
+
+
 def test_auto_beside_a_draft_model_copies_from_the_suffix_structure_by_default_and_stays_lossless(hs):
     """The default of ``generate``/``chat`` (and of ``run``) with a draft model: the suffix structure in prompt
     lookup's place, fed by the object's own cache; ``suffix=False`` goes back to prompt lookup."""
