@@ -199,12 +199,12 @@ def break_even_lines(curve, draft: Path | None) -> str:
     from ..draft.checkpoint import read_held_out_acceptance
     from ..spec.policy import break_even, expected_emitted
 
-    def row(label: str, values) -> str:
-        return f"  {label:<40}" + " ".join(f"{v:5.2f}" for v in values)
+    def row(label: str, values) -> str:  # None: "-"
+        return f"  {label:<40}" + " ".join(f"{'-':>5}" if v is None else f"{v:5.2f}" for v in values)
 
-    def needed(label: str, source: str) -> str:  # "-": above k + 1, more than a round of k drafts can emit
+    def needed(label: str, source: str) -> str:  # None where a round of k drafts cannot emit that many tokens
         values = [break_even(curve, k, source) for k in BREAK_EVEN_K]
-        return f"  {label:<40}" + " ".join(f"{v:5.2f}" if v < k + 1 else f"{'-':>5}" for k, v in zip(BREAK_EVEN_K, values))
+        return row(label, [v if v < k + 1 else None for k, v in zip(BREAK_EVEN_K, values)])
 
     lines = ["break-even mean accepted length (tokens a round) of chains of k drafts, against plain decoding",
              "(-: k + 1 or more, so such chains never pay here):",

@@ -510,7 +510,7 @@ class Engine:
             break
         if drafts:
             reached = min(accepted + 1, len(drafts))
-            self.trusted[slot.bucket].count(min(reached, sure), min(accepted, sure))
+            self._count_trusted(slot.bucket, sure, min(accepted, sure))
             self.guess.count(max(0, reached - sure), max(0, accepted - sure))
         if slot.suffix is not None:
             slot.suffix.extend(slot.request.out[len(slot.suffix.output):])
@@ -520,13 +520,18 @@ class Engine:
 
     def _shadowed(self, bucket: int, depth: int, matched: int) -> None:
         """A trusted copy of ``depth`` tokens that no step verified, settled against the tokens the target picked
-        next: counted as a verified one would have been (``_accept``).
+        next: counted as a verified one is (``_count_trusted``, as ``_accept`` counts).
 
         WHY: acceptance is otherwise learnt only from copies that were drafted, so a match class priced out (by its
         prior, or by a spell of rejected copies) stays out for good, whatever the requests now copy.  On the 2-core
         EPYC at one thread, where 17 rows cost 10-14 one-row decodes, an exact repeat of a past answer (accepted
         whole) was priced at the longest class's prior of 0.95 and drafted nothing in some calibrations.  Greedy
         answers check a copy for free, as ``auto`` does (``spec/shadow.py``)."""
+        self._count_trusted(bucket, depth, matched)
+
+    def _count_trusted(self, bucket: int, depth: int, matched: int) -> None:
+        """A trusted chain of ``depth`` tokens whose first ``matched`` were the target's: the rows up to its first
+        miss were reached (the miss included), those ``matched`` accepted."""
         self.trusted[bucket].count(min(matched + 1, depth), matched)
 
     def _pick(self, slot: Slot, logits: np.ndarray) -> int:
