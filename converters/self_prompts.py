@@ -80,8 +80,12 @@ def rejection(text: str, finished: bool, seen: set[str]) -> str | None:
     return None
 
 
-def make_prompts(cfg: PromptConfig, progress: bool = True) -> dict:
-    """Sample until ``cfg.n`` prompts are kept (or resume towards it); returns the progress record."""
+def make_prompts(cfg: PromptConfig, progress: bool = True, max_attempts: int = 0) -> dict:
+    """Sample until ``cfg.n`` prompts are kept (or resume towards it); returns the progress record.
+
+    ``max_attempts`` (0: no limit) also stops after that many samples in all, kept or not: a caller with a
+    time budget (``make-draft``) must not wait on a model that rarely ends a request (a base model, random
+    weights)."""
     from hetero_spec.api import HeteroSpec
     from hetero_spec.config import SamplingConfig
 
@@ -90,7 +94,10 @@ def make_prompts(cfg: PromptConfig, progress: bool = True) -> dict:
     state = _resume(cfg, out, state_path)
     seen = {" ".join(_words(json.loads(line)["conversations"][0]["value"]))
             for line in out.read_text().splitlines()} if out.exists() else set()
-    if state["kept"] >= cfg.n:
+    def more() -> bool:
+        return state["kept"] < cfg.n and not (max_attempts and state["attempts"] >= max_attempts)
+
+    if not more():
         return state
     with HeteroSpec(cfg.model, None, threads=cfg.threads) as hs:
         renderer = ChatRenderer.for_target(hs.target, cfg.template)
@@ -98,7 +105,7 @@ def make_prompts(cfg: PromptConfig, progress: bool = True) -> dict:
         stops = PLAIN_STOPS if cfg.template == "plain" else ()
         bar = tqdm(total=cfg.n, initial=state["kept"], unit="prompt", disable=not progress, desc="sampling prompts")
         with out.open("a") as fh:
-            while state["kept"] < cfg.n:
+            while more():
                 attempt = state["attempts"]
                 seed = int(np.random.SeedSequence([cfg.seed, attempt]).generate_state(1)[0])
                 sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)

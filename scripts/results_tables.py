@@ -66,6 +66,10 @@ MADE_BENCH = "bench/smollm2-q4_0-xeon-amx-vm-made-1h.json"
 SHAPES = "bench/smollm2-q4_0-epyc-laptop-shapes-darter.json"  # fixed shapes, projected on laptop-7b-q4_0
 STEP_DECAY_RUNS = "training/step-decay-seed1.json"  # trainer summaries of the four runs (``summaries`` below)
 STEP_DECAY = [("darter", "0.8"), ("darter", "0.5"), ("eagle3", "0.8"), ("eagle3", "0.5")]
+CORPUS_MIX_RUNS = "training/corpus-mix-seed1.json"  # trainer summaries: ShareGPT alone, half of it, half + own requests
+# (run name, what its corpus holds), in the table's order
+CORPUS_MIX = [("sharegpt", "ShareGPT conversations"), ("half", "the first of them (ShareGPT's first shard)"),
+              ("mix", "that shard and requests the target wrote itself (general, Python, math)")]
 
 
 @dataclass(frozen=True)
@@ -472,6 +476,28 @@ def t_step_decay() -> str:
             + bench_meta_line(first) + "\n\n" + sources_footer(STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)))
 
 
+def corpus_mix_bench(name: str) -> str:
+    return f"bench/smollm2-q4_0-epyc-corpus-{name}.json"
+
+
+def t_corpus_mix() -> str:
+    runs = load(CORPUS_MIX_RUNS)["runs"]
+    lines = ["| corpus | sequences | training tokens | steps (CPU-minutes) | held-out estimate, chain k=4 (own split) | "
+             + " | ".join(SETS4) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(SETS4)]
+    for name, what in CORPUS_MIX:
+        t = runs[name]
+        rows = summary(corpus_mix_bench(name))
+        lines.append(f"| {what} | {t['train_sequences'] + t['held_out_sequences']} | {t['train_tokens']:,} "
+                     f"| {t['steps']} ({t['train_cpu_seconds'] / 60:.0f}) | {t['eval']['accepted_length']:.2f} | "
+                     + " | ".join(f2(rows[("chain-k4", d)]["mean_accepted_length"]) for d in SETS4) + " |")
+    benches = [corpus_mix_bench(n) for n, _ in CORPUS_MIX]
+    return ("\n".join(lines) + "\n\nSet columns: mean accepted length of a fixed chain of 4, as `run` drafts (int8, "
+            "context rows). Each run: the recipe's darter (step weighting 0.5^j), one thread, seed 1, lr 1e-3, "
+            "the same 25 CPU-minutes (`--budget-clock cpu`), two runs at a time. Each held-out estimate is on its "
+            "own corpus's held-out split, so compare runs by the set columns.\n\n"
+            + bench_meta_line(benches[0]) + "\n\n" + sources_footer(CORPUS_MIX_RUNS, *benches))
+
+
 def t_make_draft_time() -> str:
     ttd, made = load(TIME_TO_DRAFT), summary(MADE_BENCH)[("chain-k3", "all")]
     big = ttd["seven_b"]
@@ -529,6 +555,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "cross-thread": (t_cross_thread, [CROSS]),
     "drafts": (t_drafts, [f"../drafts/{n}" for n in DRAFTS]),
     "step-decay": (t_step_decay, [STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)]),
+    "corpus-mix": (t_corpus_mix, [CORPUS_MIX_RUNS, *(corpus_mix_bench(n) for n, _ in CORPUS_MIX)]),
     "make-draft-time": (t_make_draft_time, [MADE, "make_draft/tiny-llama-q8_0.report.json", TIME_TO_DRAFT, MADE_BENCH]),
 }
 TABLES["suffix-steep"] = (t_suffix_steep, [SUFFIX_CURVE_STEEP, SUFFIX_STEEP])

@@ -4,9 +4,9 @@ WHY: making a draft for a new model used to mean following ``scripts/recipes/smo
 hand for a day.  This runs the same steps by calling the same functions, sized from the model and a
 time budget, and resumes wherever it stopped:
 
-1. **corpus**: the target's own greedy answers to ShareGPT conversations (``generate_corpus``), with
-   training features and EAGLE-3 taps from the same decodes (no second pass), as much as the corpus
-   share of ``--hours`` buys (``pipeline.corpus_stage``);
+1. **corpus**: the target's own greedy answers to ShareGPT conversations and to requests it writes itself
+   (``generate_corpus``), with training features and EAGLE-3 taps from the same decodes (no second pass), as
+   much as the corpus share of ``--hours`` buys (``pipeline.corpus_stage``);
 2. **training**: the shipped darter's recipe (``plan.shipped_recipe``) for the training share, on the
    GPU when there is one; DDP under torchrun;
 3. **held-out check**: the draft as ``run`` runs it on the shipped bench prompts, chain of 4;
@@ -27,6 +27,7 @@ import click
 from ..cli_types import FiniteFloat
 from ..config import MAX_THREADS
 from ..errors import HeteroSpecError
+from .plan import SELF_PROMPTS
 
 
 @click.command("make-draft")
@@ -43,9 +44,13 @@ from ..errors import HeteroSpecError
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(1),
               help="tokens per answer turn in the corpus (the recipe's 256)")
 @click.option("--max-conversations", default=0, show_default=True, type=click.IntRange(0),
-              help="cap on the corpus (0: what the budget buys)")
+              help="cap on the conversations taken from --source (0: what its share of the budget buys)")
+@click.option("--self-prompts", default=SELF_PROMPTS, show_default=True, type=FiniteFloat(0, 1),
+              help="share of the corpus budget spent on requests the model writes itself (general, code, "
+                   "math), answered like the source's; 0: only the time a source that runs out leaves, 1: no source")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="CPU threads (0 = physical cores)")
-def make_draft(model, out, hours, device, work_dir, source, max_new_tokens, max_conversations, threads) -> None:
+def make_draft(model, out, hours, device, work_dir, source, max_new_tokens, max_conversations, self_prompts,
+               threads) -> None:
     """Make a trained draft for MODEL in OUT within --hours: self-distilled corpus, training with the
     shipped recipe, a held-out check and a report (OUT.report.json, OUT.report.png).  Resumable: rerun
     the same command after an interruption."""
@@ -53,7 +58,8 @@ def make_draft(model, out, hours, device, work_dir, source, max_new_tokens, max_
 
     try:
         report = run_make_draft(model, out, hours=hours, device=device, work_dir=work_dir, source=source,
-                                max_new_tokens=max_new_tokens, max_conversations=max_conversations, threads=threads)
+                                max_new_tokens=max_new_tokens, max_conversations=max_conversations,
+                                self_prompts=self_prompts, threads=threads)
     except _Stopped as stop:
         click.echo(f"stopped by {stop.signal_name} during training after step {stop.steps}: the checkpoint is "
                    "saved; rerun the same command to continue", err=True)
@@ -66,8 +72,8 @@ def make_draft(model, out, hours, device, work_dir, source, max_new_tokens, max_
 
 
 def run_make_draft(model: Path, out: Path, *, hours: float = 1.0, device: str = "auto", work_dir: Path | None = None,
-                   source: str = "sharegpt", max_new_tokens: int = 256, max_conversations: int = 0, threads: int = 0,
-                   progress: bool = True) -> dict | None:
+                   source: str = "sharegpt", max_new_tokens: int = 256, max_conversations: int = 0,
+                   self_prompts: float = SELF_PROMPTS, threads: int = 0, progress: bool = True) -> dict | None:
     """Every stage, skipping the finished ones; returns the report (None on ranks other than 0)."""
     import json
 
@@ -80,7 +86,7 @@ def run_make_draft(model: Path, out: Path, *, hours: float = 1.0, device: str = 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank == 0:
         paths.work.mkdir(parents=True, exist_ok=True)
-        plan = _plan(model, paths, hours, device, source, max_new_tokens, max_conversations, threads)
+        plan = _plan(model, paths, hours, device, source, max_new_tokens, max_conversations, self_prompts, threads)
         state = State(paths.state)
         if all(state.done(s) for s in ("corpus", "train", "check")) and out.is_file() and paths.report_json.is_file():
             say(f"{out} is up to date (every stage done in {paths.work}); nothing to do")
@@ -119,7 +125,7 @@ def _validate(model: Path, out: Path, hours: float, device: str, source: str) ->
 
 
 def _plan(model: Path, paths, hours: float, device: str, source: str, max_new_tokens: int,
-          max_conversations: int, threads: int):
+          max_conversations: int, self_prompts: float, threads: int):
     """The plan for this model and budget (or the one already in the work folder)."""
     from dataclasses import asdict
 
@@ -136,7 +142,7 @@ def _plan(model: Path, paths, hours: float, device: str, source: str, max_new_to
     fresh = Plan(model=str(model.resolve()), model_size=model.stat().st_size, fingerprint=asdict(fp), n_layer=n_layer,
                  hours=hours, device=device, gpu=gpu, budget=budget, taps=taps, source=source,
                  max_new_tokens=max_new_tokens, max_conversations=max_conversations, threads=threads,
-                 train=shipped_recipe(taps, gpu, budget.train_s, threads))
+                 self_prompts=self_prompts, train=shipped_recipe(taps, gpu, budget.train_s, threads))
     return load_or_make(paths.plan, fresh)
 
 

@@ -25,6 +25,7 @@ CHAIN = 4  # the chain length the check measures and the trainer's held-out esti
 CHECK_TOKENS = 128  # new tokens per check prompt (the bench's default)
 CHECK_PROMPTS_PER_SET = 20  # at most, per shipped bench set
 MIN_PART_S = 60.0  # a corpus part re-measures the generation rate at least this often
+SELF_ATTEMPTS = 3  # samples drawn at most per request asked of the target (SmolLM2 kept about 3 in 4)
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,18 @@ def say(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- corpus
 def corpus_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) -> None:
-    """The target's own greedy answers (two turns, as the shipped recipe) to ShareGPT conversations,
-    decontaminated against the bench sets, with features and taps from the same decodes.
+    """The target's own greedy answers, with features and taps from the same decodes: first to ShareGPT
+    conversations (two turns, as the shipped recipe; decontaminated against the bench sets), then to
+    requests it writes itself (``plan.self_prompts`` of the budget, and whatever a source that ran out left).
 
     WHY in parts: the budget is time, and how many conversations an hour buys depends on the model and
-    the machine.  Each part is a complete ``generate_corpus`` folder over the next slice of one
-    shuffle (``offset``/``limit``); the first is a small probe, each next one is sized from the rate
-    measured so far to fill at most a quarter of the budget, and parts stop when the budget is spent.
-    A part is recorded before it starts, so a rerun resumes that very part."""
+    the machine.  Each part is a complete ``generate_corpus`` folder: of the source, over the next slice of
+    one shuffle (``offset``/``limit``); of the target's own requests, over prompts sampled for it.  The
+    first part of each kind is a small probe, each next one is sized from the rate measured so far to
+    fill at most a quarter of that kind's budget, and parts stop when it is spent.  A part is recorded
+    before it starts, so a rerun resumes that very part."""
     from tqdm import tqdm
 
-    from converters.corpus import CorpusConfig, generate_corpus
     from converters.datasets import load_source, resolve_source
 
     st = state.stage("corpus")
@@ -92,27 +94,22 @@ def corpus_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) 
     try:
         while True:
             if not parts or parts[-1]["done"]:
-                part = _next_part(plan, parts, budget - spent, n_source)
+                part = _next_part(plan, parts, n_source)
                 if part is None:
                     break
                 parts.append(part)
                 state.save()
             part = parts[-1]
-            cfg = CorpusConfig(model=Path(plan.model), out=paths.corpus / part["dir"], source=plan.source,
-                               limit=part["limit"], offset=part["offset"], seed=0, turns=2,
-                               max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ, threads=plan.threads,
-                               chunk=min(part["limit"], 256), features=True, taps=plan.taps)
             t0 = time.perf_counter()
             try:
-                m = generate_corpus(cfg, progress=progress)
+                counts = _make_part(plan, paths, part, progress)
             finally:  # an interrupted part's time still counts against the budget
                 dt = time.perf_counter() - t0
                 part["seconds"] += dt
                 spent += dt
                 bar.update(min(round(spent), round(budget)) - bar.n)
                 state.save()
-            part.update(done=True, conversations=m["counts"]["conversations"], tokens=m["counts"]["tokens"],
-                        assistant_tokens=m["counts"]["assistant_tokens"])
+            part.update(done=True, **counts)
             state.save()
     finally:
         bar.close()
@@ -120,13 +117,45 @@ def corpus_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) 
         raise HeteroSpecError(f"the corpus budget ({budget:.0f} s) produced no conversations; give more --hours")
     st.update(done=True, seconds=round(spent, 1))
     state.save()
-    say(f"corpus: {_conversations(parts)} conversations, {sum(p.get('tokens', 0) for p in parts)} tokens "
-        f"in {spent / 60:.1f} min")
+    own = _conversations([p for p in parts if _kind(p) == "self"])
+    say(f"corpus: {_conversations(parts)} conversations" + (f" ({own} on requests the model wrote)" if own else "")
+        + f", {sum(p.get('tokens', 0) for p in parts)} tokens in {spent / 60:.1f} min")
 
 
-def _next_part(plan: Plan, parts: list[dict], remaining_s: float, n_source: int) -> dict | None:
-    """The next slice of the shuffle, sized to the rate measured so far; None when the budget, the
-    source or ``max_conversations`` is spent."""
+def _kind(part: dict) -> str:
+    return part.get("kind", "source")  # parts recorded before the target's own requests were all the source's
+
+
+def _next_part(plan: Plan, parts: list[dict], n_source: int) -> dict | None:
+    """The next part: of the source while its share of the budget lasts, then of the target's own requests
+    for the rest (when ``plan.self_prompts`` gives them a share, or the source ran out of conversations before
+    its share was spent); None when the corpus is complete."""
+    source = [p for p in parts if _kind(p) == "source"]
+    own = [p for p in parts if _kind(p) == "self"]
+    budget = plan.budget.corpus_s
+    if not own:
+        left_s = budget * (1 - plan.self_prompts) - _seconds(source)
+        part = _next_source_part(plan, source, left_s, n_source)
+        ran_out = bool(source) and source[-1]["offset"] + source[-1]["limit"] >= n_source and left_s > 0
+        if part is not None or not (plan.self_prompts or ran_out):
+            return part
+    return _next_self_part(own, budget - _seconds(parts), budget - _seconds(source), len(parts))
+
+
+def _seconds(parts: list[dict]) -> float:
+    return sum(p["seconds"] for p in parts)
+
+
+def _sized(parts: list[dict], counted: str, remaining_s: float, quarter_s: float) -> int:
+    """How many to ask of the next part: the rate of ``counted`` per second so far, over at most a quarter of
+    the kind's budget (and at least ``MIN_PART_S``), within what remains."""
+    rate = sum(p[counted] for p in parts) / max(1e-6, _seconds(parts))
+    return int(rate * min(remaining_s, max(MIN_PART_S, quarter_s)))
+
+
+def _next_source_part(plan: Plan, parts: list[dict], remaining_s: float, n_source: int) -> dict | None:
+    """The next slice of the source's shuffle, sized to the rate measured so far; None when its budget, the
+    source or ``max_conversations`` is spent.  (Source parts come first, so ``len(parts)`` numbers the next.)"""
     offset = parts[-1]["offset"] + parts[-1]["limit"] if parts else 0
     left = n_source - offset
     if plan.max_conversations:
@@ -136,12 +165,72 @@ def _next_part(plan: Plan, parts: list[dict], remaining_s: float, n_source: int)
     if not parts:
         size = 2 * N_SEQ  # a probe: enough rows decoded together to measure the bulk rate
     else:
-        rate = sum(p["limit"] for p in parts) / max(1e-6, sum(p["seconds"] for p in parts))  # conversations/s
-        size = int(rate * min(remaining_s, max(MIN_PART_S, plan.budget.corpus_s / 4)))
-        if size < N_SEQ // 2:  # less than half a batch fits: the rest of the budget goes to training
+        size = _sized(parts, "limit", remaining_s, plan.budget.corpus_s * (1 - plan.self_prompts) / 4)
+        if size < N_SEQ // 2:  # less than half a batch fits: the source's share ends here
             return None
-    size = min(size, left)
-    return dict(dir=f"part-{len(parts):03d}", offset=offset, limit=size, done=False, seconds=0.0)
+    return dict(dir=f"part-{len(parts):03d}", offset=offset, limit=min(size, left), done=False, seconds=0.0)
+
+
+def _next_self_part(parts: list[dict], remaining_s: float, kind_s: float, index: int) -> dict | None:
+    """The next batch of requests the target writes itself, ``kind_s`` being the time the source left them; the
+    first (a probe) always runs, so that a budget the source overran still measures the kind.  None when the
+    budget is spent, or when the last part kept no request (the model does not write any it ends in time)."""
+    if parts and not parts[-1].get("conversations"):
+        return None
+    if not parts:
+        size = 2 * N_SEQ
+    else:
+        size = _sized(parts, "conversations", remaining_s, kind_s / 4)
+        if size < N_SEQ // 2:
+            return None
+    return dict(dir=f"part-{index:03d}", kind="self", seed=len(parts), limit=size, done=False, seconds=0.0)
+
+
+def _make_part(plan: Plan, paths: Paths, part: dict, progress: bool) -> dict:
+    """Generate one part (resuming it) and return its counts."""
+    from converters.corpus import CorpusConfig, generate_corpus
+
+    folder = paths.corpus / part["dir"]
+    if _kind(part) == "self":
+        source, sampled = _sample_requests(plan, paths.corpus / f"{part['dir']}.prompts", part, progress)
+        if source is None:
+            return dict(conversations=0, tokens=0, assistant_tokens=0, sampled=sampled)
+        cfg = CorpusConfig(model=Path(plan.model), out=folder, source=str(source), turns=1,
+                           max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ, threads=plan.threads,
+                           chunk=min(part["limit"], 256), features=True, taps=plan.taps)
+    else:
+        cfg = CorpusConfig(model=Path(plan.model), out=folder, source=plan.source, limit=part["limit"],
+                           offset=part["offset"], seed=0, turns=2, max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ,
+                           threads=plan.threads, chunk=min(part["limit"], 256), features=True, taps=plan.taps)
+    c = generate_corpus(cfg, progress=progress)["counts"]
+    counts = dict(conversations=c["conversations"], tokens=c["tokens"], assistant_tokens=c["assistant_tokens"])
+    return counts | (dict(sampled=sampled) if _kind(part) == "self" else {})
+
+
+def _sample_requests(plan: Plan, folder: Path, part: dict, progress: bool) -> tuple[Path | None, int]:
+    """``part['limit']`` requests written by the target (Magpie, ``converters/self_prompts.py``), split over
+    ``SELF_TOPICS``, into one JSONL for ``generate_corpus`` (None when it kept none), and the samples drawn.
+    Each topic's file resumes on its own; a request the model does not end within the sampler's token cap is
+    dropped, and at most ``SELF_ATTEMPTS`` samples per request asked are drawn."""
+    from converters.self_prompts import PromptConfig, make_prompts
+
+    from .plan import SELF_TOPICS
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    sampled = 0
+    for t, (topic, share, system) in enumerate(SELF_TOPICS):
+        n = max(1, round(part["limit"] * share))
+        cfg = PromptConfig(model=Path(plan.model), out=folder / f"{topic}.jsonl", n=n,
+                           seed=len(SELF_TOPICS) * part["seed"] + t, system=system, threads=plan.threads)
+        sampled += make_prompts(cfg, progress=progress, max_attempts=SELF_ATTEMPTS * n)["attempts"]
+        if cfg.out.is_file():
+            lines += cfg.out.read_text().splitlines()
+    if not lines:
+        return None, sampled
+    out = folder / "requests.jsonl"
+    atomic_file.write_text(out, "".join(line + "\n" for line in lines))
+    return out, sampled
 
 
 def _conversations(parts: list[dict]) -> int:

