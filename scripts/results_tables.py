@@ -455,24 +455,31 @@ def step_decay_bench(variant: str, decay: str) -> str:
     return f"bench/smollm2-q4_0-xeon-amx-vm-step-decay-{variant}-{decay}.json"
 
 
+SET_COLUMNS = "Set columns: mean accepted length of a fixed chain of 4, as `run` drafts (int8, context rows)."
+
+
+def trained_cells(t: dict, rel: str) -> str:
+    """A training run's cells in the recipe tables: steps (CPU-minutes), held-out estimate, and its draft's mean
+    accepted length at chain k=4 per set, from the bench file ``rel``."""
+    rows = summary(rel)
+    return (f"{t['steps']} ({t['train_cpu_seconds'] / 60:.0f}) | {t['eval']['accepted_length']:.2f} | "
+            + " | ".join(f2(rows[("chain-k4", d)]["mean_accepted_length"]) for d in SETS4))
+
+
 def t_step_decay() -> str:
     runs = load(STEP_DECAY_RUNS)["runs"]
     lines = ["| loss | step weighting | steps (CPU-minutes) | held-out estimate, chain k=4 | "
              + " | ".join(SETS4) + " | chain k=3 projected on `laptop-7b-q4_0` |",
              "|---|---|---:|---:|" + "---:|" * (len(SETS4) + 1)]
     for variant, decay in STEP_DECAY:
-        t = runs[f"{variant}-{decay}"]
         rel = step_decay_bench(variant, decay)
-        rows = summary(rel)
         loss = "DarterSD (darter)" if variant == "darter" else "EAGLE-3's (eagle3)"
-        lines.append(f"| {loss} | {decay}^j | {t['steps']} ({t['train_cpu_seconds'] / 60:.0f}) "
-                     f"| {t['eval']['accepted_length']:.2f} | "
-                     + " | ".join(f2(rows[("chain-k4", d)]["mean_accepted_length"]) for d in SETS4)
-                     + f" | {x(laptop_chain_k3(rel))} |")
+        lines.append(f"| {loss} | {decay}^j | {trained_cells(runs[f'{variant}-{decay}'], rel)} "
+                     f"| {x(laptop_chain_k3(rel))} |")
     first = step_decay_bench(*STEP_DECAY[0])
-    return ("\n".join(lines) + "\n\nSet columns: mean accepted length of a fixed chain of 4, as `run` drafts (int8, "
-            "context rows). Each run: one thread, seed 1, the same 25 CPU-minutes (`--budget-clock cpu`) on the "
-            "same corpus: the 865 conversations of the `make-draft --hours 1` run below.\n\n"
+    return ("\n".join(lines) + f"\n\n{SET_COLUMNS} Each run: one thread, seed 1, the same 25 CPU-minutes "
+            "(`--budget-clock cpu`) on the same corpus: the 865 conversations of the `make-draft --hours 1` run "
+            "below.\n\n"
             + bench_meta_line(first) + "\n\n" + sources_footer(STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)))
 
 
@@ -486,13 +493,10 @@ def t_corpus_mix() -> str:
              + " | ".join(SETS4) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(SETS4)]
     for name, what in CORPUS_MIX:
         t = runs[name]
-        rows = summary(corpus_mix_bench(name))
         lines.append(f"| {what} | {t['train_sequences'] + t['held_out_sequences']} | {t['train_tokens']:,} "
-                     f"| {t['steps']} ({t['train_cpu_seconds'] / 60:.0f}) | {t['eval']['accepted_length']:.2f} | "
-                     + " | ".join(f2(rows[("chain-k4", d)]["mean_accepted_length"]) for d in SETS4) + " |")
+                     f"| {trained_cells(t, corpus_mix_bench(name))} |")
     benches = [corpus_mix_bench(n) for n, _ in CORPUS_MIX]
-    return ("\n".join(lines) + "\n\nSet columns: mean accepted length of a fixed chain of 4, as `run` drafts (int8, "
-            "context rows). Each run: the recipe's darter (step weighting 0.5^j), one thread, seed 1, lr 1e-3, "
+    return ("\n".join(lines) + f"\n\n{SET_COLUMNS} Each run: the recipe's darter (step weighting 0.5^j), one thread, seed 1, lr 1e-3, "
             "the same 25 CPU-minutes (`--budget-clock cpu`), two runs at a time. Each held-out estimate is on its "
             "own corpus's held-out split, so compare runs by the set columns.\n\n"
             + bench_meta_line(benches[0]) + "\n\n" + sources_footer(CORPUS_MIX_RUNS, *benches))

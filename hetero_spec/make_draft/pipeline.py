@@ -187,24 +187,23 @@ def _next_self_part(parts: list[dict], remaining_s: float, kind_s: float, index:
 
 
 def _make_part(plan: Plan, paths: Paths, part: dict, progress: bool) -> dict:
-    """Generate one part (resuming it) and return its counts."""
+    """Generate one part (resuming it) and return its counts (with, for the model's own requests, the samples
+    drawn)."""
     from converters.corpus import CorpusConfig, generate_corpus
 
-    folder = paths.corpus / part["dir"]
+    extra: dict = {}
     if _kind(part) == "self":
-        source, sampled = _sample_requests(plan, paths.corpus / f"{part['dir']}.prompts", part, progress)
-        if source is None:
-            return dict(conversations=0, tokens=0, assistant_tokens=0, sampled=sampled)
-        cfg = CorpusConfig(model=Path(plan.model), out=folder, source=str(source), turns=1,
-                           max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ, threads=plan.threads,
-                           chunk=min(part["limit"], 256), features=True, taps=plan.taps)
+        requests, extra["sampled"] = _sample_requests(plan, paths.corpus / f"{part['dir']}.prompts", part, progress)
+        if requests is None:
+            return dict(conversations=0, tokens=0, assistant_tokens=0, **extra)
+        which = dict(source=str(requests), turns=1)
     else:
-        cfg = CorpusConfig(model=Path(plan.model), out=folder, source=plan.source, limit=part["limit"],
-                           offset=part["offset"], seed=0, turns=2, max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ,
-                           threads=plan.threads, chunk=min(part["limit"], 256), features=True, taps=plan.taps)
+        which = dict(source=plan.source, limit=part["limit"], offset=part["offset"], seed=0, turns=2)
+    cfg = CorpusConfig(model=Path(plan.model), out=paths.corpus / part["dir"], **which,
+                       max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ, threads=plan.threads,
+                       chunk=min(part["limit"], 256), features=True, taps=plan.taps)
     c = generate_corpus(cfg, progress=progress)["counts"]
-    counts = dict(conversations=c["conversations"], tokens=c["tokens"], assistant_tokens=c["assistant_tokens"])
-    return counts | (dict(sampled=sampled) if _kind(part) == "self" else {})
+    return dict(conversations=c["conversations"], tokens=c["tokens"], assistant_tokens=c["assistant_tokens"], **extra)
 
 
 def _sample_requests(plan: Plan, folder: Path, part: dict, progress: bool) -> tuple[Path | None, int]:
