@@ -180,8 +180,10 @@ def generate_corpus(model, out_dir, source, limit, offset, seed, turns, max_new_
               help="a request still going after this many tokens is dropped")
 @click.option("--system", default="", help="a system message before the user turn, to steer the topics")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="0 = physical cores")
+@click.option("--n-seq", default=16, show_default=True, type=click.IntRange(1, 64),
+              help="requests sampled together (the file written is the same for any number)")
 @_TEMPLATE_OPTION
-def make_prompts(model, out, n, seed, temperature, top_p, max_tokens, system, threads, template) -> None:
+def make_prompts(model, out, n, seed, temperature, top_p, max_tokens, system, threads, n_seq, template) -> None:
     """Sample user prompts from the target itself (Magpie: its template up to a user's first words) into a
     resumable ShareGPT-style JSONL for generate-corpus --source; rerun the same command to continue."""
     from .self_prompts import PromptConfig, make_prompts as run, summary_line
@@ -189,7 +191,8 @@ def make_prompts(model, out, n, seed, temperature, top_p, max_tokens, system, th
     if out.suffix != ".jsonl":
         raise click.BadParameter("the prompts file must end in .jsonl", param_hint="OUT")
     state = run(PromptConfig(model=model, out=out, n=n, seed=seed, temperature=temperature, top_p=top_p,
-                             max_tokens=max_tokens, system=system, template=template, threads=threads))
+                             max_tokens=max_tokens, system=system, template=template, threads=threads,
+                             n_seq=n_seq))
     click.echo(summary_line(out, state))
 
 

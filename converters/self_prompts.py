@@ -17,11 +17,13 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from hetero_spec import atomic_file
+from hetero_spec.config import DEFAULT_KV_TYPE, SamplingConfig
 from hetero_spec.errors import HeteroSpecError
 
 from .datasets import ChatRenderer
@@ -48,12 +50,13 @@ class PromptConfig:
     system: str = ""  # a system message before the user turn (steers the topic), "" = none
     template: str = "gguf"
     threads: int = 0
+    n_seq: int = 16  # requests sampled together (what is written does not depend on it)
 
     def recipe(self) -> dict:
         """What must match for a resume to continue the same sequence of prompts."""
         d = asdict(self)
         d["model"] = Path(self.model).name
-        del d["out"], d["threads"], d["n"]
+        del d["out"], d["threads"], d["n"], d["n_seq"]
         return d
 
 
@@ -86,34 +89,26 @@ def make_prompts(cfg: PromptConfig, progress: bool = True, max_attempts: int = 0
     ``max_attempts`` (0: no limit) also stops after that many samples in all, kept or not: a caller with a
     time budget (``make-draft``) must not wait on a model that rarely ends a request (a base model, random
     weights)."""
-    from hetero_spec.api import HeteroSpec
-    from hetero_spec.config import SamplingConfig
-
     out = Path(cfg.out)
     state_path = out.with_name(out.name + ".progress.json")
     state = _resume(cfg, out, state_path)
     seen = {" ".join(_words(json.loads(line)["conversations"][0]["value"]))
             for line in out.read_text().splitlines()} if out.exists() else set()
+
     def more() -> bool:
         return state["kept"] < cfg.n and not (max_attempts and state["attempts"] >= max_attempts)
 
     if not more():
         return state
-    with HeteroSpec(cfg.model, None, threads=cfg.threads) as hs:
-        renderer = ChatRenderer.for_target(hs.target, cfg.template)
-        prefix = renderer.tokenize(query_prefix(renderer, cfg.system))
-        stops = PLAIN_STOPS if cfg.template == "plain" else ()
-        bar = tqdm(total=cfg.n, initial=state["kept"], unit="prompt", disable=not progress, desc="sampling prompts")
-        with out.open("a") as fh:
-            while more():
-                attempt = state["attempts"]
-                seed = int(np.random.SeedSequence([cfg.seed, attempt]).generate_state(1)[0])
-                sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
-                hs.reset()  # the seed reproduces a draw only from an empty cache
-                done = hs.generate(prefix, max_new_tokens=cfg.max_tokens, draft_len=0, sampling=sampling,
-                                   stop=stops)
-                text = done.text.strip()
-                why = rejection(text, done.stats.stop_reason in ("eog", "stop_string"), seen)
+    prefix = request_prefix(cfg)  # a model without a template is refused before the file is touched
+    bar = tqdm(total=cfg.n, initial=state["kept"], unit="prompt", disable=not progress, desc="sampling prompts")
+    with out.open("a") as fh:
+        # every attempt still to come may be in flight; those past the last one used are dropped unread
+        draws = sample_requests(cfg, prefix, state["attempts"], max_attempts or None,
+                                lambda: 2 * (cfg.n - state["kept"]))
+        try:
+            for attempt, text, finished in draws:
+                why = rejection(text, finished, seen)
                 state["attempts"] = attempt + 1
                 if why:
                     state["dropped"][why] = state["dropped"].get(why, 0) + 1
@@ -127,8 +122,74 @@ def make_prompts(cfg: PromptConfig, progress: bool = True, max_attempts: int = 0
                     bar.update(1)
                 _write_state(state_path, state)
                 bar.set_postfix(attempts=state["attempts"])
-        bar.close()
+                if not more():
+                    break
+        finally:
+            draws.close()
+    bar.close()
     return state
+
+
+def request_prefix(cfg: PromptConfig) -> list[int]:
+    """The token ids every request is sampled after: the rendered conversation up to a user's first words."""
+    from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+
+    with LlamaTarget(cfg.model, TargetOptions(n_ctx=256, n_threads=1, embeddings=False)) as vocab:
+        renderer = ChatRenderer.for_target(vocab, cfg.template)
+        return renderer.tokenize(query_prefix(renderer, cfg.system))
+
+
+def sample_requests(cfg: PromptConfig, prefix: list[int], first: int, stop: int | None, ahead: Callable[[], int]
+                    ) -> Iterator[tuple[int, str, bool]]:
+    """(attempt, request text, whether it ended) for attempts ``first``, ``first + 1``, ... (up to ``stop``),
+    in that order, each sampled after ``prefix``, ``cfg.n_seq`` at a time on the batched engine.
+
+    WHY the engine: a sample is one sequence's row per decode, and a decode reads the weights once for all
+    its rows, so several requests sample for little more than one.  Attempt i draws from its own seeded
+    generator and its rows give the logits they would alone (the engine's exactness: at most the file's
+    exact rows a micro-batch, a KV stream per sequence), so what it writes does not depend on ``n_seq``, and
+    a resumed run draws what an uninterrupted one would.  Every attempt starts from the same prefix, which
+    the slots keep from the one before.  At most ``ahead()`` attempts (at least ``n_seq``) are in flight
+    beyond those handed back; closing the iterator drops the rest."""
+    from hetero_spec.engine import Engine, Request
+    from hetero_spec.target.invariance import exact_micro_batch
+    from hetero_spec.target.llama_target import BATCH_INVARIANT_ROWS
+    from hetero_spec.target.sequences import SequenceOptions, SequenceTarget
+
+    stops = PLAIN_STOPS if cfg.template == "plain" else ()
+    rows = min(exact_micro_batch(cfg.model, threads=cfg.threads, kv_type=DEFAULT_KV_TYPE), BATCH_INVARIANT_ROWS)
+    options = SequenceOptions(n_seq=cfg.n_seq, seq_ctx=max(16, len(prefix) + cfg.max_tokens + 1),
+                              n_threads=cfg.threads, kv_type=DEFAULT_KV_TYPE, max_rows=rows)
+    with SequenceTarget(cfg.model, options) as target:
+        engine = Engine(target, max_waiting=cfg.n_seq)
+        done: dict[int, Request] = {}
+        flying: list[Request] = []  # submitted and not handed back, oldest first
+        nxt, want = first, first
+        try:
+            while stop is None or want < stop:
+                while ((stop is None or nxt < stop) and len(engine.scheduler.waiting) < cfg.n_seq
+                       and len(flying) < max(cfg.n_seq, ahead())):
+                    seed = int(np.random.SeedSequence([cfg.seed, nxt]).generate_state(1)[0])
+                    flying.append(Request(list(prefix), cfg.max_tokens, tag=nxt, sampling=SamplingConfig(
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)))
+                    engine.submit(flying[-1])
+                    nxt += 1
+                _, finished = engine.step()
+                for req in finished:
+                    done[req.tag] = req
+                if stops:  # a base model's request ends where its next speaker starts
+                    for slot in engine.scheduler.active:
+                        if any(s in target.detokenize(slot.request.out) for s in stops):
+                            slot.request.cancelled = True
+                while want in done:
+                    req = done.pop(want)
+                    flying.remove(req)
+                    text = target.detokenize([t for t in req.out if not target.is_eog(t)])
+                    cut = min((text.index(s) for s in stops if s in text), default=-1)
+                    yield want, (text[:cut] if cut >= 0 else text).strip(), cut >= 0 or req.stop_reason == "eog"
+                    want += 1
+        finally:
+            engine.abandon()
 
 
 def _resume(cfg: PromptConfig, out: Path, state_path: Path) -> dict:

@@ -66,6 +66,7 @@ MADE_BENCH = "bench/smollm2-q4_0-xeon-amx-vm-made-1h.json"
 SHAPES = "bench/smollm2-q4_0-epyc-laptop-shapes-darter.json"  # fixed shapes, projected on laptop-7b-q4_0
 STEP_DECAY_RUNS = "training/step-decay-seed1.json"  # trainer summaries of the four runs (``summaries`` below)
 STEP_DECAY = [("darter", "0.8"), ("darter", "0.5"), ("eagle3", "0.8"), ("eagle3", "0.5")]
+MAKE_PROMPTS = "make_draft/smollm2-q4_0-epyc-make-prompts.json"  # scripts/bench_make_prompts.py
 CORPUS_MIX_RUNS = "training/corpus-mix-seed1.json"  # trainer summaries: ShareGPT alone, half of it, half + own requests
 # (run name, what its corpus holds), in the table's order
 CORPUS_MIX = [("sharegpt", "ShareGPT conversations"), ("half", "the first of them (ShareGPT's first shard)"),
@@ -534,6 +535,20 @@ def t_make_draft_time() -> str:
                                                                       TIME_TO_DRAFT, MADE_BENCH))
 
 
+def t_make_prompts() -> str:
+    d = load(MAKE_PROMPTS)
+    rows = d["rows"]
+    lines = ["| requests sampled together (`--n-seq`) | wall time | samples per second | against one at a time |",
+             "|---:|---:|---:|---:|"]
+    lines += [f"| {r['n_seq']} | {r['wall_s']:.1f} s | {r['samples_per_s']:.2f} | {x(r['speed_vs_first'])} |"
+              for r in rows]
+    return ("\n".join(lines) + f"\n\n{rows[0]['kept']} requests kept of "
+            f"{rows[0]['attempts']} samples (system message: \"{d['system']}\"), at most {d['max_tokens']} tokens each, "
+            f"{d['threads']} threads; wall time of the whole command (model load included), median of "
+            f"{len(rows[0]['passes'])} interleaved passes; every run wrote the same file: "
+            f"{'yes' if d['identical'] else 'no'}.\n\n" + sources_footer(MAKE_PROMPTS))
+
+
 def t_recorded(rel: str) -> str:
     d = load(rel)
     return "```text\n" + d["output"].rstrip() + "\n```\n\n" + sources_footer(rel)
@@ -560,6 +575,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "drafts": (t_drafts, [f"../drafts/{n}" for n in DRAFTS]),
     "step-decay": (t_step_decay, [STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)]),
     "corpus-mix": (t_corpus_mix, [CORPUS_MIX_RUNS, *(corpus_mix_bench(n) for n, _ in CORPUS_MIX)]),
+    "make-prompts": (t_make_prompts, [MAKE_PROMPTS]),
     "make-draft-time": (t_make_draft_time, [MADE, "make_draft/tiny-llama-q8_0.report.json", TIME_TO_DRAFT, MADE_BENCH]),
 }
 TABLES["suffix-steep"] = (t_suffix_steep, [SUFFIX_CURVE_STEEP, SUFFIX_STEEP])

@@ -78,6 +78,19 @@ class Row:
     output: bool
 
 
+def sequence_parts(rows: list[Row], max_seqs: int) -> list[list[Row]]:
+    """``rows`` cut, in order, into runs holding rows of at most ``max_seqs`` sequences each."""
+    parts: list[list[Row]] = []
+    seqs: set[int] = set()
+    for r in rows:
+        if not parts or (r.seq not in seqs and len(seqs) >= max_seqs):
+            parts.append([])
+            seqs = set()
+        parts[-1].append(r)
+        seqs.add(r.seq)
+    return parts
+
+
 class SequenceTarget(Vocabulary, Owners):
     """A GGUF model and one context holding ``n_seq`` sequences; ``decode`` runs one batch of rows.
 
@@ -113,6 +126,7 @@ class SequenceTarget(Vocabulary, Owners):
         self.feature_size = self.n_embd * len(options.taps) if options.taps else self.n_embd
         self._fingerprint: TargetFingerprint | None = None
         self._n_rows = 0  # with features: how many rows the last decode had
+        self._part_features: np.ndarray | None = None  # the last decode's features, when it ran in parts
 
     @property
     def fingerprint(self) -> TargetFingerprint:
@@ -125,6 +139,8 @@ class SequenceTarget(Vocabulary, Owners):
         float32 (a copy); only with ``SequenceOptions.features``."""
         if not self.options.features:
             raise TargetError("this SequenceTarget was opened without features")
+        if self._part_features is not None:  # a decode made in parts
+            return self._part_features.copy()
         n = self._n_rows
         if self._taps is None:
             return np.ctypeslib.as_array(C.llama_get_embeddings(self._ctx.ptr), shape=(n, self.n_embd)).copy()
@@ -133,12 +149,35 @@ class SequenceTarget(Vocabulary, Owners):
     def decode(self, rows: list[Row]) -> np.ndarray:
         """One ``llama_decode`` of ``rows`` (at most ``batch_rows``; llama.cpp cuts it into micro-batches of at
         most ``max_rows``); the logits of the rows marked ``output``, in row order: ``[n_output, n_vocab]
-        float32``, a view valid until the next decode (a copy with final-norm features)."""
+        float32``, a view valid until the next decode (a copy with final-norm features, or when split).
+
+        WHY split: llama.cpp's ``split_equal`` stops adding sequences to a micro-batch only once it holds more
+        than ``n_ubatch`` of them, so rows from more than ``max_rows`` sequences would share a micro-batch of
+        ``max_rows + 1`` rows, past the bound of a file exact only to ``max_rows`` rows (a repacked Q4_K_M:
+        3; measured on Gemma 3's: logits 1.7 away with 4 slots).  Such a decode runs as one call per
+        ``max_rows`` sequences (``sequence_parts``)."""
+        if not 0 < len(rows) <= self._batch.capacity:
+            raise TargetError(f"a decode takes 1..{self._batch.capacity} rows, not {len(rows)}")
+        o = self.options
+        parts = [rows] if o.n_seq <= o.max_rows else sequence_parts(rows, o.max_rows)
+        self._part_features = None
+        if len(parts) == 1:
+            return self._decode_call(rows)
+        logits, features = [], []
+        for part in parts:
+            logits.append(np.array(self._decode_call(part)))  # a copy: the next call overwrites llama.cpp's
+            if self.options.features:
+                features.append(self.features())
+        self._n_rows = len(rows)
+        if features:
+            self._part_features = np.concatenate(features)
+        return np.concatenate(logits)
+
+    def _decode_call(self, rows: list[Row]) -> np.ndarray:
+        """``decode`` in one ``llama_decode`` call."""
         n = len(rows)
         b = self._batch
         ctx = self._ctx.ptr  # raises once closed, before the batch's freed arrays are written
-        if not 0 < n <= b.capacity:
-            raise TargetError(f"a decode takes 1..{b.capacity} rows, not {n}")
         every = self._every_row  # with embeddings on, llama.cpp outputs every row whatever the flags say
         for i, r in enumerate(rows):
             if not 0 <= r.pos < self.seq_ctx:

@@ -34,6 +34,7 @@ from hetero_spec.config import TreeSpec
 from hetero_spec.errors import TargetError
 from hetero_spec.target import _ffi
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+from hetero_spec.target.sequences import Row, SequenceOptions, SequenceTarget, sequence_parts
 from hetero_spec.tiny_models import FAMILIES, QUANTS, build_all
 from tests.curves import CHEAP_ROWS  # verification rows nearly free: auto drafts whatever this machine's timing
 
@@ -178,6 +179,36 @@ def test_rows_follow_the_kernel_path_in_a_process_without_repack(tiny_models):
             bad, is_repacked = got[str(tiny_models[f][q])]
             assert not is_repacked
             assert not bad or min(bad) > exact_rows(f, q, False), f"{f} {q} plain: rows differ at n={bad[:6]}"
+
+
+def test_more_slots_than_exact_rows_decode_each_as_alone(tiny_models):
+    """One row from each of more sequences than a file's exact rows: llama.cpp's split would put them all in
+    one micro-batch (it admits n_ubatch + 1 sequences), past the file's bound; ``SequenceTarget`` decodes
+    them in parts, so each sequence's logits are those of decoding it alone (what the server's slots rely on)."""
+    path = tiny_models["llama"]["Q4_K_M"]
+    with LlamaTarget(path, TargetOptions(n_ctx=64, n_threads=1)) as t:
+        exact = exact_rows("llama", "Q4_K_M", repacked(t))
+        texts = [t.tokenize(f"{i} {FILLER}", add_special=False)[:6] for i in range(exact + 1)]
+    opts = SequenceOptions(n_seq=exact + 1, seq_ctx=64, n_threads=1, max_rows=exact, features=True)
+    with SequenceTarget(path, opts) as together:
+        rows, features = [], []
+        for pos in range(6):
+            rows.append(together.decode([Row(s, ids[pos], pos, True) for s, ids in enumerate(texts)]).copy())
+            features.append(together.features())
+    with SequenceTarget(path, SequenceOptions(n_seq=1, seq_ctx=64, n_threads=1, max_rows=1, features=True)) as alone:
+        for s, ids in enumerate(texts):
+            alone.clear(0)
+            for pos, token in enumerate(ids):
+                assert np.array_equal(alone.decode([Row(0, token, pos, True)])[0], rows[pos][s]), (s, pos)
+                assert np.array_equal(alone.features()[0], features[pos][s]), (s, pos)
+
+
+def test_sequence_parts_hold_at_most_the_bound_of_sequences_each():
+    rows = [Row(s, 1, p, True) for s, n in [(0, 3), (1, 1), (2, 2), (3, 1), (4, 1)] for p in range(n)]
+    parts = sequence_parts(rows, 2)
+    assert [r for part in parts for r in part] == rows
+    assert [sorted({r.seq for r in part}) for part in parts] == [[0, 1], [2, 3], [4]]
+    assert sequence_parts(rows, 32) == [rows]
 
 
 # ------------------------------------------------------------------------ greedy output == plain decoding

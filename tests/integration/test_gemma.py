@@ -169,6 +169,15 @@ def test_export_without_a_template_is_refused_in_one_line(gemma_path, tmp_path):
     assert not (tmp_path / "f").exists()
 
 
+def test_make_prompts_without_a_template_is_refused_before_writing(gemma_path, tmp_path):
+    out = tmp_path / "p.jsonl"
+    r = subprocess.run(CLI + ["make-prompts", str(gemma_path), str(out), "--n", "2", "-t", "1"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "no chat template" in r.stderr and "--template plain" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_plain_template_masks_answers_through_eos(gemma_path, target, tmp_path):
     from hetero_spec.features import read_manifest, read_shard
 

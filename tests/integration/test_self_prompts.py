@@ -6,12 +6,16 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from converters.corpus import CorpusConfig, generate_corpus
 from converters.datasets import ChatRenderer, load_source
-from converters.self_prompts import PromptConfig, make_prompts, query_prefix, rejection
+from converters.self_prompts import (PLAIN_STOPS, PromptConfig, make_prompts, query_prefix, rejection, request_prefix,
+                                    sample_requests)
+from hetero_spec.api import HeteroSpec
 from hetero_spec.chat_template import PLAIN_TEMPLATE
+from hetero_spec.config import SamplingConfig
 from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
 
 
@@ -40,6 +44,36 @@ def test_the_query_prefix_ends_where_the_users_words_start(model_path):
 ])
 def test_rejection_reasons(text, finished, why):
     assert rejection(text, finished, {"how do i sort a list in python"} if why == "duplicate" else set()) == why
+
+
+def one_at_a_time(cfg: PromptConfig, attempts: int) -> list[tuple[int, str, bool]]:
+    """The reference: each attempt sampled alone by ``HeteroSpec`` from an empty cache, with its own seed."""
+    out = []
+    with HeteroSpec(cfg.model, None, threads=1) as hs:
+        renderer = ChatRenderer.for_target(hs.target, cfg.template)
+        prefix = renderer.tokenize(query_prefix(renderer, cfg.system))
+        for a in range(attempts):
+            seed = int(np.random.SeedSequence([cfg.seed, a]).generate_state(1)[0])
+            hs.reset()
+            done = hs.generate(prefix, max_new_tokens=cfg.max_tokens, draft_len=0, stop=PLAIN_STOPS if
+                               cfg.template == "plain" else (), sampling=SamplingConfig(
+                                   temperature=cfg.temperature, top_p=cfg.top_p, seed=seed))
+            out.append((a, done.text.strip(), done.stats.stop_reason in ("eog", "stop_string")))
+    return out
+
+
+@pytest.mark.parametrize("template", ["gguf", "plain"])
+def test_requests_sampled_together_are_the_ones_sampled_alone(model_path, tmp_path, template):
+    """Several requests share each decode, and each still draws what it draws alone (its own seeded generator,
+    rows exact beside others), in attempt order; the plain template's requests end at the next speaker."""
+    cfg = PromptConfig(model=model_path, out=tmp_path / "x.jsonl", n=8, max_tokens=64 if template == "plain" else 40,
+                       template=template, threads=1, n_seq=3)  # at 64 tokens, 2 of the first 7 plain requests end
+    prefix = request_prefix(cfg)
+    together = list(sample_requests(cfg, prefix, 0, 7, lambda: 7))
+    assert together == one_at_a_time(cfg, 7)
+    assert [a for a, _, _ in together] == list(range(7)) and any(ended for _, _, ended in together)
+    assert all(not any(s in text for s in PLAIN_STOPS) for _, text, _ in together)
+    assert list(sample_requests(cfg, prefix, 4, 7, lambda: 1)) == together[4:]  # a resume draws the same from 4 on
 
 
 def test_prompts_resume_to_the_same_file_and_feed_generate_corpus(model_path, tmp_path):
