@@ -62,18 +62,19 @@ def one_at_a_time(cfg: PromptConfig, attempts: int) -> list[tuple[int, str, bool
     return out
 
 
-@pytest.mark.parametrize("template", ["gguf", "plain"])
-def test_requests_sampled_together_are_the_ones_sampled_alone(model_path, tmp_path, template):
+@pytest.mark.parametrize("template, tokens, attempts", [("gguf", 32, 5), ("plain", 64, 6)])
+def test_requests_sampled_together_are_the_ones_sampled_alone(model_path, tmp_path, template, tokens, attempts):
     """Several requests share each decode, and each still draws what it draws alone (its own seeded generator,
-    rows exact beside others), in attempt order; the plain template's requests end at the next speaker."""
-    cfg = PromptConfig(model=model_path, out=tmp_path / "x.jsonl", n=8, max_tokens=64 if template == "plain" else 40,
-                       template=template, threads=1, n_seq=3)  # at 64 tokens, 2 of the first 7 plain requests end
+    rows exact beside others), in attempt order; the plain template's requests end at the next speaker (at 64
+    tokens, attempts 4 and 5 do)."""
+    cfg = PromptConfig(model=model_path, out=tmp_path / "x.jsonl", n=8, max_tokens=tokens, template=template,
+                       threads=1, n_seq=3)
     prefix = request_prefix(cfg)
-    together = list(sample_requests(cfg, prefix, 0, 7, lambda: 7))
-    assert together == one_at_a_time(cfg, 7)
-    assert [a for a, _, _ in together] == list(range(7)) and any(ended for _, _, ended in together)
+    together = list(sample_requests(cfg, prefix, 0, attempts, lambda: attempts))
+    assert together == one_at_a_time(cfg, attempts)
+    assert [a for a, _, _ in together] == list(range(attempts)) and any(ended for _, _, ended in together)
     assert all(not any(s in text for s in PLAIN_STOPS) for _, text, _ in together)
-    assert list(sample_requests(cfg, prefix, 4, 7, lambda: 1)) == together[4:]  # a resume draws the same from 4 on
+    assert list(sample_requests(cfg, prefix, 3, attempts, lambda: 1)) == together[3:]  # a resume draws the same
 
 
 def test_prompts_resume_to_the_same_file_and_feed_generate_corpus(model_path, tmp_path):
