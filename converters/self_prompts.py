@@ -163,16 +163,14 @@ def sample_requests(cfg: PromptConfig, prefix: list[int], first: int, stop: int 
     with SequenceTarget(cfg.model, options) as target:
         engine = Engine(target, max_waiting=cfg.n_seq)
         done: dict[int, Request] = {}
-        flying: list[Request] = []  # submitted and not handed back, oldest first
-        nxt, want = first, first
+        nxt, want = first, first  # the next attempt to submit, and to hand back (those between are in flight)
         try:
             while stop is None or want < stop:
                 while ((stop is None or nxt < stop) and len(engine.scheduler.waiting) < cfg.n_seq
-                       and len(flying) < max(cfg.n_seq, ahead())):
+                       and nxt - want < max(cfg.n_seq, ahead())):
                     seed = int(np.random.SeedSequence([cfg.seed, nxt]).generate_state(1)[0])
-                    flying.append(Request(list(prefix), cfg.max_tokens, tag=nxt, sampling=SamplingConfig(
+                    engine.submit(Request(list(prefix), cfg.max_tokens, tag=nxt, sampling=SamplingConfig(
                         temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)))
-                    engine.submit(flying[-1])
                     nxt += 1
                 _, finished = engine.step()
                 for req in finished:
@@ -183,7 +181,6 @@ def sample_requests(cfg: PromptConfig, prefix: list[int], first: int, stop: int 
                             slot.request.cancelled = True
                 while want in done:
                     req = done.pop(want)
-                    flying.remove(req)
                     text = target.detokenize([t for t in req.out if not target.is_eog(t)])
                     cut = min((text.index(s) for s in stops if s in text), default=-1)
                     yield want, (text[:cut] if cut >= 0 else text).strip(), cut >= 0 or req.stop_reason == "eog"

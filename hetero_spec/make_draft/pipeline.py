@@ -18,7 +18,7 @@ import click
 
 from .. import atomic_file
 from ..errors import HeteroSpecError
-from .plan import Plan, State
+from .plan import Plan, State, part_kind
 
 N_SEQ = 16  # conversations decoded together (the recipe's --n-seq)
 CHAIN = 4  # the chain length the check measures and the trainer's held-out estimate is for
@@ -117,21 +117,17 @@ def corpus_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) 
         raise HeteroSpecError(f"the corpus budget ({budget:.0f} s) produced no conversations; give more --hours")
     st.update(done=True, seconds=round(spent, 1))
     state.save()
-    own = _conversations([p for p in parts if _kind(p) == "self"])
+    own = _conversations([p for p in parts if part_kind(p) == "self"])
     say(f"corpus: {_conversations(parts)} conversations" + (f" ({own} on requests the model wrote)" if own else "")
         + f", {sum(p.get('tokens', 0) for p in parts)} tokens in {spent / 60:.1f} min")
-
-
-def _kind(part: dict) -> str:
-    return part.get("kind", "source")  # parts recorded before the target's own requests were all the source's
 
 
 def _next_part(plan: Plan, parts: list[dict], n_source: int) -> dict | None:
     """The next part: of the source while its share of the budget lasts, then of the target's own requests
     for the rest (when ``plan.self_prompts`` gives them a share, or the source ran out of conversations before
     its share was spent); None when the corpus is complete."""
-    source = [p for p in parts if _kind(p) == "source"]
-    own = [p for p in parts if _kind(p) == "self"]
+    source = [p for p in parts if part_kind(p) == "source"]
+    own = [p for p in parts if part_kind(p) == "self"]
     budget = plan.budget.corpus_s
     if not own:
         left_s = budget * (1 - plan.self_prompts) - _seconds(source)
@@ -192,8 +188,8 @@ def _make_part(plan: Plan, paths: Paths, part: dict, progress: bool) -> dict:
     from converters.corpus import CorpusConfig, generate_corpus
 
     extra: dict = {}
-    if _kind(part) == "self":
-        requests, extra["sampled"] = _sample_requests(plan, paths.corpus / f"{part['dir']}.prompts", part, progress)
+    if part_kind(part) == "self":
+        requests, extra["sampled"] = _own_requests(plan, paths.corpus / f"{part['dir']}.prompts", part, progress)
         if requests is None:
             return dict(conversations=0, tokens=0, assistant_tokens=0, **extra)
         which = dict(source=str(requests), turns=1)
@@ -206,7 +202,7 @@ def _make_part(plan: Plan, paths: Paths, part: dict, progress: bool) -> dict:
     return dict(conversations=c["conversations"], tokens=c["tokens"], assistant_tokens=c["assistant_tokens"], **extra)
 
 
-def _sample_requests(plan: Plan, folder: Path, part: dict, progress: bool) -> tuple[Path | None, int]:
+def _own_requests(plan: Plan, folder: Path, part: dict, progress: bool) -> tuple[Path | None, int]:
     """``part['limit']`` requests written by the target (Magpie, ``converters/self_prompts.py``), split over
     ``SELF_TOPICS``, into one JSONL for ``generate_corpus`` (None when it kept none), and the samples drawn.
     Each topic's file resumes on its own; a request the model does not end within the sampler's token cap is

@@ -30,6 +30,12 @@ SELF_TOPICS: tuple[tuple[str, float, str], ...] = (
 )
 
 
+
+def part_kind(part: dict) -> str:
+    """A corpus part's kind: "source" (the dataset's conversations) or "self" (requests the target wrote)."""
+    return part.get("kind", "source")  # parts recorded before the target's own requests were all the source's
+
+
 @dataclass(frozen=True)
 class Budget:
     """Wall seconds per stage; training gets most, the corpus what keeps it from overfitting."""

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from .. import atomic_file
+from .plan import part_kind
 
 
 def estimated_tau(step_top1: list[float]) -> list[float]:
@@ -56,7 +57,7 @@ def build_report(plan, state, paths, chain: int) -> dict:
                    "assistant_tokens": sum(p.get("assistant_tokens", 0) for p in parts),
                    # of them, answers to requests the model wrote itself (``--self-prompts``, a share of the budget)
                    "self_prompts": plan.self_prompts,
-                   "self_conversations": sum(p.get("conversations", 0) for p in parts if p.get("kind") == "self"),
+                   "self_conversations": sum(p.get("conversations", 0) for p in parts if part_kind(p) == "self"),
                    "self_requests_sampled": sum(p.get("sampled", 0) for p in parts)},
         "recipe": {**{k: plan.train[k] for k in ("variant", "taps", "n_blocks", "unroll_steps", "chain_sample",
                                                   "reduced_vocab", "loop_keep", "lr")},
