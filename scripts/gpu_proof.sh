@@ -214,6 +214,7 @@ steps() {
   local x10_scale="${GPU_PROOF_X10_SCALE:-10}" sets="${GPU_PROOF_SETS:-mt_bench,humaneval,gsm8k,alpaca}"
   local methods="${GPU_PROOF_METHODS:-raw,auto,chain-k1,chain-k2,chain-k3,chain-k4,chain-k5,tree}"
   local x10_methods="${GPU_PROOF_X10_METHODS:-raw,auto,chain-k3,tree}" rounds="${GPU_PROOF_DRAFT_ROUNDS:-200}"
+  local positions="${GPU_PROOF_DRAFT_POSITIONS:-300}"  # the draft step's equality check, and its cached context
   local curve_timings="--quick"  # 3 timings a width; GPU_PROOF_CURVE_REPEATS sets another count
   [[ -n "${GPU_PROOF_CURVE_REPEATS:-}" ]] && curve_timings="--repeats $GPU_PROOF_CURVE_REPEATS"
   mkdir -p "$out"
@@ -224,7 +225,7 @@ steps() {
   done
   log "2. the draft step on $device"
   timeout "$(left)" "$PY" "$scripts/bench_draft_step.py" "$model" "$draft" --device "$device" --rounds "$rounds" \
-    --json "$out/draft_step.json" > "$out/draft_step.txt" || log "draft step did not finish"
+    --positions "$positions" --context "$positions" --json "$out/draft_step.json" > "$out/draft_step.txt" || log "draft step did not finish"
   log "3. bench: $methods on $sets, $prompts prompts, $tokens tokens, --draft-device $device"
   timeout "$(left)" hetero-spec bench "$model" "$draft" --datasets "$sets" --methods "$methods" \
     --n-prompts "$prompts" --max-new-tokens "$tokens" -t "$threads" --draft-device "$device" \

@@ -19,7 +19,7 @@ def test_cpu_check_runs_every_step_and_every_output_equals_raw(tmp_path):
                GPU_PROOF_PROMPTS="1", GPU_PROOF_TOKENS="12", GPU_PROOF_SETS="gsm8k,humaneval",
                GPU_PROOF_METHODS="raw,auto,chain-k3,tree", GPU_PROOF_X10_METHODS="raw,chain-k3",
                GPU_PROOF_X10_SCALE="1.5", GPU_PROOF_CURVE_THREADS="1", GPU_PROOF_CURVE_REPEATS="1",
-               GPU_PROOF_DRAFT_ROUNDS="5")
+               GPU_PROOF_DRAFT_ROUNDS="5", GPU_PROOF_DRAFT_POSITIONS="40")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_proof.sh"), "cpu-check", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
