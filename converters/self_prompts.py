@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -161,18 +162,23 @@ def sample_requests(cfg: PromptConfig, prefix: list[int], first: int, stop: int 
     options = SequenceOptions(n_seq=cfg.n_seq, seq_ctx=max(16, len(prefix) + cfg.max_tokens + 1),
                               n_threads=cfg.threads, kv_type=DEFAULT_KV_TYPE, max_rows=rows)
     with SequenceTarget(cfg.model, options) as target:
+        nxt, want = first, first  # the next attempt to submit, and to hand back (those between are in flight)
+
+        def attempts() -> Iterator[Request | None]:
+            nonlocal nxt
+            while stop is None or nxt < stop:
+                if nxt - want >= max(cfg.n_seq, ahead()):
+                    yield None  # enough in flight: ask again after the next step
+                    continue
+                seed = int(np.random.SeedSequence([cfg.seed, nxt]).generate_state(1)[0])
+                yield Request(list(prefix), cfg.max_tokens, tag=nxt, sampling=SamplingConfig(
+                    temperature=cfg.temperature, top_p=cfg.top_p, seed=seed))
+                nxt += 1
+
         engine = Engine(target, max_waiting=cfg.n_seq)
         done: dict[int, Request] = {}
-        nxt, want = first, first  # the next attempt to submit, and to hand back (those between are in flight)
-        try:
-            while stop is None or want < stop:
-                while ((stop is None or nxt < stop) and len(engine.scheduler.waiting) < cfg.n_seq
-                       and nxt - want < max(cfg.n_seq, ahead())):
-                    seed = int(np.random.SeedSequence([cfg.seed, nxt]).generate_state(1)[0])
-                    engine.submit(Request(list(prefix), cfg.max_tokens, tag=nxt, sampling=SamplingConfig(
-                        temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)))
-                    nxt += 1
-                _, finished = engine.step()
+        with closing(engine.run(attempts())) as steps:  # closed early, the attempts in flight are dropped
+            for _, finished in steps:
                 for req in finished:
                     done[req.tag] = req
                 if stops:  # a base model's request ends where its next speaker starts
@@ -185,8 +191,6 @@ def sample_requests(cfg: PromptConfig, prefix: list[int], first: int, stop: int 
                     cut = min((text.index(s) for s in stops if s in text), default=-1)
                     yield want, (text[:cut] if cut >= 0 else text).strip(), cut >= 0 or req.stop_reason == "eog"
                     want += 1
-        finally:
-            engine.abandon()
 
 
 def _resume(cfg: PromptConfig, out: Path, state_path: Path) -> dict:

@@ -14,6 +14,7 @@ pays on the whole batch.
 from __future__ import annotations
 
 import threading
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,21 +117,14 @@ class BatchGenerator:
         max_new_tokens = count("max_new_tokens", max_new_tokens)
         sampling = SamplingConfig(temperature=temperature, seed=seed)
         requests = [Request(p, max_new_tokens, sampling=sampling, tag=i) for i, p in enumerate(ids)]
-        pending = list(reversed(requests))
         if not self._lock.acquire(blocking=False):
             raise HeteroSpecError("this BatchGenerator is running a job on another thread: one job at a time (a job "
                                   "takes any number of prompts)")
-        try:
-            with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=not progress) as bar:
-                while pending or not self.engine.idle:
-                    sch = self.engine.scheduler
-                    while pending and len(sch.waiting) < sch.max_waiting:
-                        self.engine.submit(pending.pop())
-                    _, finished = self.engine.step()
+        try:  # a job that fails or is interrupted drops its requests (Engine.run), so the next job starts clean
+            with tqdm(total=len(requests), desc="prompts", unit="prompt", disable=not progress) as bar, \
+                    closing(self.engine.run(requests)) as steps:
+                for _, finished in steps:
                     bar.update(len(finished))
-        except BaseException:
-            self.engine.abandon()
-            raise
         finally:
             self._lock.release()
         return [BatchCompletion(t.detokenize([x for x in r.out if not t.is_eog(x)]), r.out, r.stop_reason or "",

@@ -9,6 +9,7 @@ q8_0 cells, a KV stream per sequence; ``tests/integration/test_converters.py`` c
 """
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -71,18 +72,15 @@ class AnswerGenerator:
         for key, ids in prompts:
             if not ids or len(ids) + o.max_new_tokens > o.seq_ctx:
                 raise TargetError(f"prompt {key} of {len(ids)} tokens does not fit seq_ctx={o.seq_ctx}")
-        pending = [Request(list(ids), o.max_new_tokens, sampling=self._sampling(key), tag=key, keep_features=o.hidden)
-                   for key, ids in prompts][::-1]
-        engine = self.engine
-        while pending or not engine.idle:
-            while pending and len(engine.scheduler.waiting) < engine.scheduler.max_waiting:
-                engine.submit(pending.pop())
-            record, finished = engine.step()
-            if record is not None and on_tokens is not None:
-                on_tokens(record.rows)
-            for req in finished:
-                hidden = self._hidden(req, req.seq) if o.hidden else None
-                yield req.tag, req.out, hidden
+        requests = [Request(list(ids), o.max_new_tokens, sampling=self._sampling(key), tag=key, keep_features=o.hidden)
+                    for key, ids in prompts]
+        with closing(self.engine.run(requests)) as steps:  # left early, the requests in flight are dropped
+            for record, finished in steps:
+                if record is not None and on_tokens is not None:
+                    on_tokens(record.rows)
+                for req in finished:
+                    hidden = self._hidden(req, req.seq) if o.hidden else None
+                    yield req.tag, req.out, hidden
 
     def _sampling(self, key: int) -> SamplingConfig:
         o = self.options

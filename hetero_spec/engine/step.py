@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -553,23 +553,52 @@ class Engine:
             _end(req, "context_full")
         return token
 
-    def run(self) -> Iterator[tuple[StepRecord, list[Request]]]:
-        """Steps until every submitted request has finished."""
-        while not self.idle:
-            record, finished = self.step()
-            if record is not None or finished:
-                yield record, finished
+    def run(self, requests: Iterable[Request | None] = ()) -> Iterator[tuple[StepRecord | None, list[Request]]]:
+        """Steps until ``requests`` is spent and every request submitted has finished; yields each step that
+        decoded or finished something, as (its record, the requests it finished).
+
+        WHY one loop for every batch job (``generate_many``, ``BatchGenerator``, corpus answers, make-prompts):
+        requests are taken from ``requests`` only while the queue has room (``max_waiting``), so a job of any
+        length keeps at most that many waiting, each behind the ones before (FIFO).  ``None`` from it means
+        "none now" (the caller's own bound on requests in flight): it is asked again after the next step, so
+        it may say so only while a request is in flight.  Leaving early (a step or the caller raising, the
+        iterator closed) drops whatever still waits or decodes (``abandon``), so the engine is ready for the
+        next job; a job that ends keeps its slots' cells for the next prompts that start alike."""
+        source = iter(requests)
+        spent = ended = False
+        try:
+            while True:
+                while not spent and len(self.scheduler.waiting) < self.scheduler.max_waiting:
+                    request = next(source, _SPENT)
+                    if request is None:
+                        if self.idle:
+                            raise RuntimeError("the requests said 'none now' with none in flight: nothing would "
+                                               "ever change their mind")
+                        break
+                    if request is _SPENT:
+                        spent = True
+                    else:
+                        self.submit(request)
+                if spent and self.idle:
+                    ended = True
+                    return
+                record, finished = self.step()
+                if record is not None or finished:
+                    yield record, finished
+        finally:
+            if not ended:
+                self.abandon()
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int, **fields) -> list[list[int]]:
         """The batch entry for offline jobs: every prompt's answer ids, in prompt order, through the slots
         (more prompts than ``max_waiting`` are fed in as slots free up)."""
         requests = [Request(list(p), max_new_tokens, tag=i, **fields) for i, p in enumerate(prompts)]
-        pending = list(reversed(requests))
-        while pending or not self.idle:
-            while pending and len(self.scheduler.waiting) < self.scheduler.max_waiting:
-                self.submit(pending.pop())
-            self.step()
+        for _ in self.run(requests):
+            pass
         return [r.out for r in requests]
+
+
+_SPENT = object()  # ``Engine.run``'s marker for a request source with nothing left
 
 
 def _slot_rows(rows) -> dict:

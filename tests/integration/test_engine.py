@@ -182,6 +182,42 @@ def test_generate_many_fifo_queue_and_cancel(model_path, prompts, reference):
     assert second.stop_reason in ("eog", "max_tokens") and third.done and fourth.done
 
 
+def test_run_takes_requests_as_the_queue_has_room_and_a_run_left_early_drops_the_rest(model_path, prompts, reference):
+    """Engine.run, the loop under every batch job: it asks its source for a request only while the queue has room,
+    asks again after a step when told "none now", and closed early it leaves the engine empty and ready."""
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        engine = Engine(target, max_waiting=1)
+        requests = [Request(p, n) for p, n in zip(prompts, MAX_NEW)]
+        asked: list[int] = []  # requests handed over, each time the source is asked
+
+        def source():
+            for i, r in enumerate(requests):
+                while i == 3 and not requests[2].done:  # the fourth waits until the third has finished
+                    asked.append(-1)
+                    yield None
+                asked.append(i)
+                yield r
+
+        waiting = [len(engine.scheduler.waiting) for _ in engine.run(source())]
+        assert [r.out for r in requests] == [out for out, _ in reference]
+        assert max(waiting) <= 1 and asked.count(-1) >= 1 and [i for i in asked if i >= 0] == [0, 1, 2, 3, 4]
+        assert engine.idle
+
+        with pytest.raises(RuntimeError, match="none now"):  # nothing in flight would ever change its mind
+            for _ in engine.run(iter([None])):
+                pass
+
+        again = [Request(p, 50) for p in prompts[:4]]
+        steps = engine.run(again)
+        next(steps)
+        steps.close()
+        assert engine.idle
+        assert again[0].stop_reason == "cancelled" and len(again[0].out) < 50  # in a slot when the run was closed
+        assert again[3].stop_reason is None and not again[3].out  # never taken from the source
+        assert engine.generate_many([prompts[0]], MAX_NEW[0]) == [reference[0][0]]  # the next job runs as usual
+
+
 def assert_cells_hold_only_text(engine: Engine) -> None:
     """Every sequence holds exactly its slot's text: no pad row or rejected draft left behind."""
     for slot in engine.scheduler.slots:
