@@ -150,22 +150,29 @@ def merge_features(out_dir, parts) -> None:
 @click.option("--taps", callback=_parse_layers,
               help="also store the input of these blocks (EAGLE-3 fusion), e.g. 2,15,27")
 @click.option("--no-features", is_flag=True, help="token ids only (features later with export-features --corpus)")
+@click.option("--stop-loops", default=0, show_default=True, type=click.IntRange(0),
+              help="end a turn where more than this many tokens in a row repeat an earlier 8-gram (a repetition "
+                   "loop), before the first it would not score: give train's --loop-keep; 0: every turn runs to its "
+                   "end")
 @click.option("--chunk", default=512, show_default=True, type=click.IntRange(1), help="conversations per resume unit")
 @click.option("--shard", "shard", default="0/1", show_default=True, callback=_parse_shard,
               help="this process's part i/N of the selection, into its own OUT_DIR (train reads all parts)")
 @click.option("--threads", "-t", default=0, type=click.IntRange(0, MAX_THREADS), help="0 = physical cores")
 @_TEMPLATE_OPTION
 def generate_corpus(model, out_dir, source, limit, offset, seed, turns, max_new_tokens, max_prompt, n_seq, taps,
-                    no_features, chunk, shard, threads, template) -> None:
+                    no_features, stop_loops, chunk, shard, threads, template) -> None:
     """Answer ShareGPT prompts with the target itself (greedy, many at once) into a resumable training corpus."""
     from .corpus import CorpusConfig, generate_corpus as run
 
     m = run(CorpusConfig(model=model, out=out_dir, source=source, limit=limit, offset=offset, seed=seed, turns=turns,
                          max_new_tokens=max_new_tokens, max_prompt=max_prompt, n_seq=n_seq, threads=threads,
-                         chunk=chunk, features=not no_features, taps=taps, template=template, shard=shard))
+                         chunk=chunk, features=not no_features, taps=taps, template=template, shard=shard,
+                         stop_loops=stop_loops))
     c, d = m["counts"], m["decontamination"]
+    looped = c.get("stopped_in_loop", 0)
+    stops = f"{c['truncated'] - looped} stopped at --max-new-tokens" + (f", {looped} in a loop" if stop_loops else "")
     click.echo(f"{out_dir}: {c['conversations']} conversations, {c['tokens']} tokens ({c['assistant_tokens']} generated "
-               f"assistant tokens, {c['turns']} turns, {c['truncated']} stopped at --max-new-tokens); "
+               f"assistant tokens, {c['turns']} turns, {stops}); "
                f"dropped for bench overlap: {d['dropped_exact']} exact, {d['dropped_ngram8']} shared 8-gram")
 
 

@@ -63,6 +63,9 @@ class CorpusConfig:
     features: bool = True  # write training features from the same decodes
     taps: tuple[int, ...] = ()  # block inputs stored beside the final hidden state (tap_<i>)
     template: str = "gguf"  # "gguf" (the model's own) or "plain" (datasets.TEMPLATES)
+    # end a turn where more than this many tokens in a row repeat an earlier 8-gram (a greedy loop), before the
+    # first that train --loop-keep would not score, the rest left undecoded (target/bulk_generate.py); 0: never
+    stop_loops: int = 0
     # part i of N: every N-th conversation of the selection, so N single-thread processes on a
     # compute-bound CPU cover it once (two 1-thread llama.cpp processes outrun one with 2 threads)
     shard: tuple[int, int] = (0, 1)
@@ -75,6 +78,7 @@ class CorpusConfig:
                     # only when not the default, so corpora begun before the option still resume
                     **({"template": self.template} if self.template != "gguf" else {}),
                     **({"offset": self.offset} if self.offset else {}),
+                    **({"stop_loops": self.stop_loops} if self.stop_loops else {}),
                     **({"shard": list(self.shard)} if self.shard != (0, 1) else {}))
 
 
@@ -106,7 +110,7 @@ def generate_corpus(cfg: CorpusConfig, progress: bool = True) -> dict:
             print(f"{cfg.out}: already complete ({manifest['counts']['conversations']} conversations)")
             return manifest
         opts = BulkOptions(n_seq=cfg.n_seq, max_new_tokens=cfg.max_new_tokens, seq_ctx=cfg.seq_ctx,
-                           n_threads=cfg.threads, hidden=cfg.features, taps=cfg.taps)
+                           n_threads=cfg.threads, hidden=cfg.features, taps=cfg.taps, stop_loops=cfg.stop_loops)
         bar = tqdm(total=len(plans), initial=progress_state["next_index"], unit="conv", desc="corpus",
                    dynamic_ncols=True, disable=not progress)
         rows = Counter()
@@ -256,6 +260,8 @@ def _write_chunk(cfg: CorpusConfig, m: dict, done: list, next_index: int, vocab,
     c["assistant_tokens"] += int(sum(sum(r.mask) for r in done))
     c["turns"] += int(sum(r.turns for r in done))
     c["truncated"] += int(sum(r.truncated for r in done))
+    if cfg.stop_loops:
+        c["stopped_in_loop"] = c.get("stopped_in_loop", 0) + int(sum(r.looped for r in done))
     for k, v in events.items():
         c[k] = c.get(k, 0) + v
     m["chunks"].append(dict(index=index, conversations=len(done), next_index=next_index))

@@ -9,6 +9,14 @@ repeated in rotating order, medians reported:
                rendering, decontamination and shard writing (the whole-export figure).
 Throughput counts generated assistant tokens per second of wall time.
 
+``--stop-loops K`` adds ``corpus-stop``: the same command ending each turn K tokens into a repetition loop
+(``generate-corpus --stop-loops K``).  Both corpus ways then also count the answer tokens that training with
+``--loop-keep K`` scores (``train/loops.py``): the tokens a draft learns from, per second.  ``--ways`` picks
+ways, ``--json`` keeps the runs.
+
+    python scripts/bench_corpus.py "$(python scripts/default_model.py)" --ways corpus,corpus-stop --stop-loops 32 \
+        --prompts 96 --max-new-tokens 256 --turns 2 --repeats 2 -t 2 --json corpus-stop.json
+
 ``--streams 1,4,16,32`` instead times one decode of S rows, one per sequence, each sequence holding
 ``--stream-ctx`` cells, over per-sequence KV streams and over one unified cache: the ceiling of any
 bulk generator on this CPU.
@@ -18,7 +26,10 @@ bulk generator on this CPU.
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,13 +81,36 @@ def bulk(model: Path, prompts, max_new: int, threads: int, n_seq: int) -> tuple[
     return generated, time.perf_counter() - t0
 
 
-def corpus(model: Path, span: int, max_new: int, threads: int, n_seq: int, seed: int) -> tuple[int, float]:
+def corpus(model: Path, span: int, max_new: int, threads: int, n_seq: int, seed: int, turns: int = 1,
+           stop_loops: int = 0, keep: int = 0) -> tuple[int, float, dict]:
+    """Generated assistant tokens, seconds, and counts: conversations, stops in a loop, and the answer tokens
+    training with ``--loop-keep keep`` scores (with ``keep`` > 0)."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        m = generate_corpus(CorpusConfig(model=model, out=Path(tmp) / "c", limit=span, seed=seed, turns=1,
+        m = generate_corpus(CorpusConfig(model=model, out=Path(tmp) / "c", limit=span, seed=seed, turns=turns,
                                          max_new_tokens=max_new, n_seq=n_seq, threads=threads, chunk=span,
-                                         taps=(2, 15, 27)), progress=False)
-        return m["counts"]["assistant_tokens"], time.perf_counter() - t0
+                                         taps=(2, 15, 27), stop_loops=stop_loops), progress=False)
+        seconds = time.perf_counter() - t0
+        c = m["counts"]
+        extra = dict(conversations=c["conversations"], stopped_in_loop=c.get("stopped_in_loop", 0))
+        if keep:
+            extra["scored"] = scored_tokens(Path(tmp) / "c", keep)
+        return c["assistant_tokens"], seconds, extra
+
+
+def scored_tokens(folder: Path, keep: int) -> int:
+    """Answer tokens of a corpus that ``train --loop-keep keep`` scores."""
+    from safetensors.numpy import load_file
+
+    from hetero_spec.train.loops import loop_tail_mask
+
+    total = 0
+    for path in sorted((folder / "ids").glob("ids-*.safetensors")):
+        t = load_file(str(path))
+        starts = t["seq_starts"]
+        for a, b in zip(starts[:-1], starts[1:]):
+            total += int(loop_tail_mask(t["input_ids"][a:b], t["loss_mask"][a:b], keep).sum())
+    return total
 
 
 def stream_rows(model: Path, n_seq: int, unified: bool, threads: int, ctx: int, reps: int = 8) -> float:
@@ -126,6 +160,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=1, choices=(1, 2), help="the corpus ways' --turns")
+    ap.add_argument("--stop-loops", type=int, default=0, help="K > 0: add corpus-stop, and count what --loop-keep K scores")
+    ap.add_argument("--ways", help="comma-separated: single, bulk-ids, corpus, corpus-stop (default: all there are)")
+    ap.add_argument("--json", type=Path, help="write every run and the medians here")
     ap.add_argument("--streams", help="comma-separated sequence counts: time one-row-per-sequence decodes instead")
     ap.add_argument("--stream-ctx", type=int, default=100, help="cells each sequence holds (--streams)")
     a = ap.parse_args()
@@ -139,21 +177,48 @@ def main() -> None:
         return
     prompts, span = prompts_of(a.model, a.prompts, a.seed)
     ways = {
-        "single": lambda: single(a.model, prompts, a.max_new_tokens, a.threads),
-        "bulk-ids": lambda: bulk(a.model, prompts, a.max_new_tokens, a.threads, a.n_seq),
-        "corpus": lambda: corpus(a.model, span, a.max_new_tokens, a.threads, a.n_seq, a.seed),
+        "single": lambda: (*single(a.model, prompts, a.max_new_tokens, a.threads), {}),
+        "bulk-ids": lambda: (*bulk(a.model, prompts, a.max_new_tokens, a.threads, a.n_seq), {}),
+        "corpus": lambda: corpus(a.model, span, a.max_new_tokens, a.threads, a.n_seq, a.seed, a.turns,
+                                 keep=a.stop_loops),
     }
-    rates: dict[str, list[float]] = {k: [] for k in ways}
-    names = list(ways)
+    if a.stop_loops:
+        ways["corpus-stop"] = lambda: corpus(a.model, span, a.max_new_tokens, a.threads, a.n_seq, a.seed, a.turns,
+                                             stop_loops=a.stop_loops, keep=a.stop_loops)
+    names = a.ways.split(",") if a.ways else list(ways)
+    unknown = [n for n in names if n not in ways]
+    if unknown:
+        ap.error(f"unknown ways {unknown} (corpus-stop needs --stop-loops)")
+    runs: list[dict] = []
     for r in range(a.repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            tokens, seconds = ways[name]()
-            rates[name].append(tokens / seconds)
-            print(f"repeat {r} {name:9s} {tokens:6d} tokens {seconds:7.1f} s {tokens / seconds:7.1f} tok/s", flush=True)
-    base = statistics.median(rates["single"])
+            tokens, seconds, extra = ways[name]()
+            runs.append(dict(repeat=r, way=name, tokens=tokens, seconds=seconds, **extra))
+            more = "".join(f" {k} {v}" for k, v in extra.items())
+            print(f"repeat {r} {name:11s} {tokens:6d} tokens {seconds:7.1f} s {tokens / seconds:7.1f} tok/s{more}",
+                  flush=True)
+    medians = {}
     for name in names:
-        med = statistics.median(rates[name])
-        print(f"{name:9s} median {med:7.1f} tok/s  {med / base:5.2f}x single")
+        mine = [x for x in runs if x["way"] == name]
+        medians[name] = dict(seconds=statistics.median(x["seconds"] for x in mine),
+                             tok_s=statistics.median(x["tokens"] / x["seconds"] for x in mine))
+        if "scored" in mine[0]:
+            medians[name]["scored_tok_s"] = statistics.median(x["scored"] / x["seconds"] for x in mine)
+    base = names[0]
+    for name in names:
+        med = medians[name]
+        scored = f", {med['scored_tok_s']:7.1f} scored tok/s" if "scored_tok_s" in med else ""
+        print(f"{name:11s} median {med['seconds']:7.1f} s, {med['tok_s']:7.1f} tok/s{scored}; "
+              f"{medians[base]['seconds'] / med['seconds']:5.2f}x {base}'s speed")
+    if a.json:
+        from hetero_spec.bench.server_load import cpu_name
+
+        command = "python scripts/bench_corpus.py " + " ".join(  # the model as the docs name the default one
+            shlex.quote(x) if x != str(a.model) else '"$(python scripts/default_model.py)"' for x in sys.argv[1:])
+        a.json.write_text(json.dumps(dict(command=command, cpu=cpu_name(), model=a.model.name, prompts=len(prompts),
+                                          conversations=span, options=dict(vars(a), model=a.model.name,
+                                                                           json=str(a.json)),
+                                          runs=runs, medians=medians), indent=1))
 
 
 if __name__ == "__main__":

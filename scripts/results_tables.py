@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import struct
 import subprocess
 import sys
@@ -63,10 +64,12 @@ DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", 
 MADE = "make_draft/smollm2-q4_0-1h.report.json"  # make-draft --hours 1 on the default model
 TIME_TO_DRAFT = "make_draft/time-to-draft.json"  # scripts/project_make_draft.py on MADE
 MADE_BENCH = "bench/smollm2-q4_0-xeon-amx-vm-made-1h.json"
+MADE_STOPPED = "make_draft/smollm2-q4_0-epyc-1h-stop-loops.report.json"  # the same with loops left ungenerated
 SHAPES = "bench/smollm2-q4_0-epyc-laptop-shapes-darter.json"  # fixed shapes, projected on laptop-7b-q4_0
 STEP_DECAY_RUNS = "training/step-decay-seed1.json"  # trainer summaries of the four runs (``summaries`` below)
 STEP_DECAY = [("darter", "0.8"), ("darter", "0.5"), ("eagle3", "0.8"), ("eagle3", "0.5")]
 MAKE_PROMPTS = "make_draft/smollm2-q4_0-epyc-make-prompts.json"  # scripts/bench_make_prompts.py
+STOP_LOOPS = "make_draft/smollm2-q4_0-epyc-stop-loops.json"  # scripts/bench_corpus.py --stop-loops
 CORPUS_MIX_RUNS = "training/corpus-mix-seed1.json"  # trainer summaries: ShareGPT alone, half of it, half + own requests
 # (run name, what its corpus holds), in the table's order
 CORPUS_MIX = [("sharegpt", "ShareGPT conversations"), ("half", "the first of them (ShareGPT's first shard)"),
@@ -535,6 +538,23 @@ def t_make_draft_time() -> str:
                                                                       TIME_TO_DRAFT, MADE_BENCH))
 
 
+def t_make_draft_loops() -> str:
+    sets = ("mt_bench", "humaneval", "gsm8k", "alpaca")
+    lines = ["| corpus turns | step weighting | corpus: conversations, answer tokens | training steps (epochs) "
+             "| τ at chain k=1..4, measured (estimated) | " + " | ".join(sets) + " |", "|---|---|---|---|---|" + "---:|" * len(sets)]
+    for rel, label in ((MADE, "run to their end or the cap"), (MADE_STOPPED, "stopped where training stops scoring a loop")):
+        r = load(rel)
+        c, t = r["corpus"], r["training"]
+        taus = " / ".join(f2(v) for v in r["measured_tau_per_step"])
+        est = " / ".join(f2(v) for v in r["estimated_tau_per_step"])
+        lines.append(f"| {label} | {r['recipe'].get('step_decay', 0.8)}^j | {c['conversations']:,}, "
+                     f"{c['assistant_tokens']:,} | {t['steps']:,} ({t['epochs']}) | {taus} ({est}) | "
+                     + " | ".join(f2(r["measured_tau_per_set"].get(n)) for n in sets) + " |")
+    return ("\n".join(lines) + "\n\nSet columns: τ at chain k=4 on that set's check prompts. Each row is one "
+            "`make-draft --hours 1` run, on its own machine (below), so the hosts differ as well as the two settings."
+            "\n\n" + sources_footer(MADE, MADE_STOPPED))
+
+
 def t_make_prompts() -> str:
     d = load(MAKE_PROMPTS)
     rows = d["rows"]
@@ -547,6 +567,28 @@ def t_make_prompts() -> str:
             f"{d['threads']} threads; wall time of the whole command (model load included), median of "
             f"{len(rows[0]['passes'])} interleaved passes; every run wrote the same file: "
             f"{'yes' if d['identical'] else 'no'}.\n\n" + sources_footer(MAKE_PROMPTS))
+
+
+def t_stop_loops() -> str:
+    d = load(STOP_LOOPS)
+    keep, med, o = d["options"]["stop_loops"], d["medians"], d["options"]
+    base = med["corpus"]["seconds"]
+    lines = ["| `generate-corpus` | wall time | answer tokens generated per second | of them scored by `--loop-keep "
+             f"{keep}`, per second | conversations ended in a loop | speed |", "|---|---:|---:|---:|---:|---:|"]
+    for way, label in (("corpus", "every turn to its end or the cap"), ("corpus-stop", f"`--stop-loops {keep}`")):
+        runs = [r for r in d["runs"] if r["way"] == way]
+        m = med[way]
+        looped = "-" if way == "corpus" else f"{runs[0]['stopped_in_loop']} of {runs[0]['conversations']}"
+        lines.append(f"| {label} | {m['seconds']:.0f} s | {m['tok_s']:.0f} | {m['scored_tok_s']:.0f} | {looped} | "
+                     f"{x(base / m['seconds'])} |")
+    scored = {way: statistics.median(r["scored"] for r in d["runs"] if r["way"] == way) for way in ("corpus", "corpus-stop")}
+    return ("\n".join(lines) + f"\n\nThe first {d['conversations']} ShareGPT conversations of the seed-{o['seed']} "
+            f"shuffle ({d['prompts']} answered, the rest dropped for bench overlap or a long prompt; a second turn where "
+            f"the first ends; up to {o['max_new_tokens']} tokens a turn), {o['n_seq']} at a time, taps 2,15,27, "
+            f"{o['threads']} threads; medians of {o['repeats']} interleaved passes. Answer tokens training scores: "
+            f"{scored['corpus']:,.0f} running every turn out, {scored['corpus-stop']:,.0f} with the stop "
+            f"({1 - scored['corpus-stop'] / scored['corpus']:.1%} fewer: mostly what follows a loop that ends by itself).\n\n"
+            + sources_footer(STOP_LOOPS))
 
 
 def t_recorded(rel: str) -> str:
@@ -576,6 +618,8 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "step-decay": (t_step_decay, [STEP_DECAY_RUNS, *(step_decay_bench(*r) for r in STEP_DECAY)]),
     "corpus-mix": (t_corpus_mix, [CORPUS_MIX_RUNS, *(corpus_mix_bench(n) for n, _ in CORPUS_MIX)]),
     "make-prompts": (t_make_prompts, [MAKE_PROMPTS]),
+    "stop-loops": (t_stop_loops, [STOP_LOOPS]),
+    "make-draft-loops": (t_make_draft_loops, [MADE, MADE_STOPPED]),
     "make-draft-time": (t_make_draft_time, [MADE, "make_draft/tiny-llama-q8_0.report.json", TIME_TO_DRAFT, MADE_BENCH]),
 }
 TABLES["suffix-steep"] = (t_suffix_steep, [SUFFIX_CURVE_STEEP, SUFFIX_STEEP])

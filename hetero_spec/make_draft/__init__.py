@@ -139,10 +139,11 @@ def _plan(model: Path, paths, hours: float, device: str, source: str, max_new_to
     gpu = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     budget = split_budget(hours, gpu)
     taps = choose_taps(fp.architecture, n_layer)
+    recipe = shipped_recipe(taps, gpu, budget.train_s, threads)
     fresh = Plan(model=str(model.resolve()), model_size=model.stat().st_size, fingerprint=asdict(fp), n_layer=n_layer,
                  hours=hours, device=device, gpu=gpu, budget=budget, taps=taps, source=source,
                  max_new_tokens=max_new_tokens, max_conversations=max_conversations, threads=threads,
-                 self_prompts=self_prompts, train=shipped_recipe(taps, gpu, budget.train_s, threads))
+                 self_prompts=self_prompts, stop_loops=recipe["loop_keep"], train=recipe)
     return load_or_make(paths.plan, fresh)
 
 

@@ -197,7 +197,7 @@ def _make_part(plan: Plan, paths: Paths, part: dict, progress: bool) -> dict:
         which = dict(source=plan.source, limit=part["limit"], offset=part["offset"], seed=0, turns=2)
     cfg = CorpusConfig(model=Path(plan.model), out=paths.corpus / part["dir"], **which,
                        max_new_tokens=plan.max_new_tokens, n_seq=N_SEQ, threads=plan.threads,
-                       chunk=min(part["limit"], 256), features=True, taps=plan.taps)
+                       chunk=min(part["limit"], 256), features=True, taps=plan.taps, stop_loops=plan.stop_loops)
     c = generate_corpus(cfg, progress=progress)["counts"]
     return dict(conversations=c["conversations"], tokens=c["tokens"], assistant_tokens=c["assistant_tokens"], **extra)
 

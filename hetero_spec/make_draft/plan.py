@@ -94,6 +94,9 @@ class Plan:
     max_conversations: int  # from the source; 0 = as many as its share of the corpus budget buys
     threads: int
     self_prompts: float = 0.0  # share of the corpus budget for the target's own requests (and what the source leaves)
+    # the corpus ends a turn this far into a repetition loop, where training stops scoring it (the recipe's loop_keep;
+    # 0 in plans made before: their corpus parts ran every turn to its end, and resume as they were made)
+    stop_loops: int = 0
     train: dict = field(default_factory=dict)  # TrainConfig fields (the shipped darter's recipe)
     version: int = PLAN_VERSION
 

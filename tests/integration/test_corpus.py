@@ -167,3 +167,40 @@ def test_offset_answers_the_rest_of_the_shuffle_an_earlier_limit_left(made, mode
     b = {prompt(s) for s in iter_sequences(tmp_path / "b" / "features")}
     assert a and b and not a & b  # (decontamination drops 2 of the 10, on either side of the cut)
     assert a | b == {prompt(s) for s in iter_sequences(whole / "features")}
+
+
+# SmolLM2's greedy answers (chat template, 96 tokens): the poem loops on one line, the list never repeats 6 tokens in a
+# row, the colours repeat a clause and end later (a loop that training would stop scoring anyway)
+REQUESTS = ["Write a short poem about the sea.", "List some fruits.", "Name three colours."]
+
+
+def test_a_turn_stopped_in_its_loop_ends_where_training_stops_scoring_it(model_path):
+    """--stop-loops K: a turn ends at the K-th token in a row that repeats an earlier 8-gram, which is exactly where
+    train --loop-keep K stops scoring it (train/loops.py); a turn that never loops runs as it did."""
+    from hetero_spec.target.bulk_generate import BulkGenerator, BulkOptions
+    from hetero_spec.target.llama_target import LlamaTarget, TargetOptions
+    from hetero_spec.train.loops import loop_tail_mask
+
+    keep = 6
+    from converters.datasets import ChatRenderer
+
+    with LlamaTarget(model_path, TargetOptions(n_ctx=256, n_threads=1, embeddings=False)) as t:
+        renderer = ChatRenderer.for_target(t)
+        prompts = [(i, renderer.prompt_ids([{"role": "user", "content": p}])) for i, p in enumerate(REQUESTS)]
+    runs = {}
+    for stop in (0, keep):
+        with BulkGenerator(model_path, BulkOptions(n_seq=1, max_new_tokens=96, seq_ctx=256, n_threads=1, hidden=True,
+                                                   stop_loops=stop)) as gen:
+            runs[stop] = {r.key: r for r in gen.generate(prompts)}
+    looped = 0
+    for key, whole in runs[0].items():
+        scored = loop_tail_mask(np.asarray(whole.ids), np.asarray(whole.mask), keep)
+        unscored = np.flatnonzero(np.asarray(whole.mask, bool) & ~scored)
+        stopped = runs[keep][key]
+        end = int(unscored[0]) if len(unscored) else len(whole.ids)
+        assert stopped.ids == whole.ids[:end] and stopped.mask == whole.mask[:end], REQUESTS[key]
+        assert stopped.looped == bool(len(unscored)) and not whole.looped
+        hidden = stopped.features["hidden"]  # a row per token; a turn stopped in a loop ends on a decoded token
+        assert hidden.shape[0] == len(stopped.ids) and hidden[-1].any() == stopped.looped
+        looped += stopped.looped
+    assert 1 <= looped < len(REQUESTS)  # both kinds of turn are exercised

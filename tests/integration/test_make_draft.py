@@ -88,6 +88,11 @@ def test_the_draft_runs_exactly_and_the_report_and_plot_exist(made, tiny_model, 
     # the corpus stayed inside its budget's part sizes and the training inside its time (with one step's slack)
     plan = json.loads((work / "plan.json").read_text())
     assert report["spent_s"]["train"] <= plan["budget"]["train_s"] + 5
+    # every part ended its turns where training stops scoring a repetition loop (the recipe's loop_keep)
+    assert plan["stop_loops"] == plan["train"]["loop_keep"] == 32
+    for part in (p for p in state if p["conversations"]):
+        manifest = json.loads((work / "corpus" / part["dir"] / "manifest.json").read_text())
+        assert manifest["options"]["stop_loops"] == 32
     # run: greedy output with the draft equals plain decoding (both CLIs at once)
     prompt = bench_prompts("gsm8k", 1)[0]
     opts = ["-p", prompt, "-n", "24", "-t", "1", "--ctx", "1024"]

@@ -86,3 +86,14 @@ def test_by_default_the_source_takes_the_whole_budget():
     assert _next_part(plan(self_prompts=0.0), done, n_source=10_000) is None
     # all of it on the model's own requests: no source part at all
     assert _next_part(plan(self_prompts=1.0), [], n_source=10_000)["kind"] == "self"
+
+
+def test_a_plan_made_before_loops_were_stopped_keeps_its_corpus_parts_as_they_were_made():
+    """A work folder's plan.json from before ``stop_loops``: its parts ran every turn to its end, and a resumed part
+    must ask for the same (generate_corpus refuses a folder made with other options)."""
+    import json
+    from dataclasses import asdict
+
+    old = asdict(plan())
+    del old["stop_loops"]
+    assert Plan.from_dict(json.loads(json.dumps(old))).stop_loops == 0
