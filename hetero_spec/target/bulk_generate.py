@@ -17,10 +17,11 @@ that end-of-generation token's id) and the slot carries on from its cached cells
 
 ``stop_loops``: a small target decoding greedily falls into repetition loops and seldom leaves them (in
 SmolLM2-135M's answers to 819 ShareGPT conversations, 40% of the generated tokens were loop tails past 32
-tokens, and 39 of those 40 points came after the last token of their turn that training scores).  Training keeps the loss on a loop's first ``--loop-keep`` tokens only
-(``train/loops.py``), so a turn ends before the first token past that many in a row that each repeat an
-earlier 8-gram of the conversation, where training would stop scoring it: the rows after it would be
-decoded only to be thrown away, and the slot takes the next conversation instead.
+tokens, and 39 of those 40 points came after the last token of their turn that training scores).
+Training keeps the loss on a loop's first ``--loop-keep`` tokens only (``train/loops.py``), so a turn
+ends before the first token past that many in a row that each repeat an earlier 8-gram of the
+conversation, where training would stop scoring it: the rows after it would be decoded only to be
+thrown away, and the slot takes the next conversation instead.
 """
 from __future__ import annotations
 
