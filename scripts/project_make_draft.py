@@ -12,7 +12,7 @@ throughput per FLOP on the same CPU (a 7B's larger matmuls run no slower per FLO
 memory-bound, which makes the corpus estimate a lower bound on machines with little bandwidth), and
 whether the same tokens give a 7B's draft the same acceptance, which no run here can say.
 
-    python scripts/project_make_draft.py results/make_draft/smollm2-q4_0-1h.report.json \\
+    python scripts/project_make_draft.py results/make_draft/smollm2-q4_0-epyc-1h.report.json \\
         "$(python scripts/default_model.py)" --also results/make_draft/tiny-llama-q8_0.report.json \\
         "$(python scripts/build_tiny_models.py -f llama -q Q8_0)" --out results/make_draft/time-to-draft.json
 """

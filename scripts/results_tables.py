@@ -62,9 +62,11 @@ ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-draft.json"
 CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
 DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
 MADE = "make_draft/smollm2-q4_0-1h.report.json"  # make-draft --hours 1 on the default model
-TIME_TO_DRAFT = "make_draft/time-to-draft.json"  # scripts/project_make_draft.py on MADE
-MADE_BENCH = "bench/smollm2-q4_0-xeon-amx-vm-made-1h.json"
+TIME_TO_DRAFT = "make_draft/time-to-draft.json"  # scripts/project_make_draft.py on MADE_NOW and TINY_MADE
 MADE_STOPPED = "make_draft/smollm2-q4_0-epyc-1h-stop-loops.report.json"  # the same with loops left ungenerated
+MADE_NOW = "make_draft/smollm2-q4_0-epyc-1h.report.json"  # ... and the corpus's larger share of the hour (the default)
+MADE_NOW_BENCH = "bench/smollm2-q4_0-epyc-made-1h.json"
+TINY_MADE = "make_draft/tiny-llama-q8_0.report.json"
 SHAPES = "bench/smollm2-q4_0-epyc-laptop-shapes-darter.json"  # fixed shapes, projected on laptop-7b-q4_0
 STEP_DECAY_RUNS = "training/step-decay-seed1.json"  # trainer summaries of the four runs (``summaries`` below)
 STEP_DECAY = [("darter", "0.8"), ("darter", "0.5"), ("eagle3", "0.8"), ("eagle3", "0.5")]
@@ -507,7 +509,7 @@ def t_corpus_mix() -> str:
 
 
 def t_make_draft_time() -> str:
-    ttd, made = load(TIME_TO_DRAFT), summary(MADE_BENCH)[("chain-k3", "all")]
+    ttd, made = load(TIME_TO_DRAFT), summary(MADE_NOW_BENCH)[("chain-k3", "all")]
     big = ttd["seven_b"]
     mins = lambda v: f"{v / 60:.1f} min"  # noqa: E731
     hours = lambda v: f"{v / 3600:.1f} h"  # noqa: E731
@@ -516,9 +518,9 @@ def t_make_draft_time() -> str:
              "| chain k=3 here: τ, speed | chain k=3 projected on `laptop-7b-q4_0` |", "|---|---:|---:|---:|---|---|---:|"]
     for m in ttd["measured"]:
         rep = load(m["report"].removeprefix("results/"))
-        if m["report"].endswith(MADE):  # the run benched on its own: here, and replayed on the laptop's curve
+        if m["report"].endswith(MADE_NOW):  # the run benched on its own: here, and replayed on the laptop's curve
             name, here, laptop = ("SmolLM2-135M Q4_0", f"{f2(made['mean_accepted_length'])}, {x(made['speedup'])}",
-                                  x(laptop_chain_k3(MADE_BENCH)))
+                                  x(laptop_chain_k3(MADE_NOW_BENCH)))
         else:
             name, here, laptop = f"tiny llama, random weights ({m['target_params'] / 1e6:.1f} M, width {m['n_embd']})", "-", "-"
         lines.append(f"| {name}, `--hours {rep['hours']:g}` (measured) | {mins(m['spent_s']['corpus'])} "
@@ -533,26 +535,29 @@ def t_make_draft_time() -> str:
             f"{big['target_params'] / 1e9:.2f} B: {big['ratio']['corpus']:.0f}x), training by the weights a "
             f"token meets in the draft ({base['draft_weights_per_token'] / 1e6:.1f} M against "
             f"{big['draft_weights_per_token'] / 1e6:.0f} M: {big['ratio']['train']:.0f}x).\n\n"
-            + bench_meta_line(MADE_BENCH) + "\n\n" + sources_footer(*(m["report"].removeprefix("results/")
-                                                                        for m in ttd["measured"]),
-                                                                      TIME_TO_DRAFT, MADE_BENCH))
+            + bench_meta_line(MADE_NOW_BENCH) + "\n\n" + sources_footer(*(m["report"].removeprefix("results/")
+                                                                            for m in ttd["measured"]),
+                                                                          TIME_TO_DRAFT, MADE_NOW_BENCH))
 
 
 def t_make_draft_loops() -> str:
     sets = ("mt_bench", "humaneval", "gsm8k", "alpaca")
-    lines = ["| corpus turns | step weighting | corpus: conversations, answer tokens | training steps (epochs) "
-             "| τ at chain k=1..4, measured (estimated) | " + " | ".join(sets) + " |", "|---|---|---|---|---|" + "---:|" * len(sets)]
-    for rel, label in ((MADE, "run to their end or the cap"), (MADE_STOPPED, "stopped where training stops scoring a loop")):
+    lines = ["| corpus turns | corpus : training time | step weighting | corpus: conversations, answer tokens "
+             "| training steps (epochs) | τ at chain k=1..4, measured (estimated) | " + " | ".join(sets) + " |",
+             "|---|---|---|---|---|---|" + "---:|" * len(sets)]
+    stopped = "stopped where training stops scoring a loop"
+    for rel, label in ((MADE, "run to their end or the cap"), (MADE_STOPPED, stopped), (MADE_NOW, stopped)):
         r = load(rel)
-        c, t = r["corpus"], r["training"]
+        c, t, b = r["corpus"], r["training"], r["budget_s"]
         taus = " / ".join(f2(v) for v in r["measured_tau_per_step"])
         est = " / ".join(f2(v) for v in r["estimated_tau_per_step"])
-        lines.append(f"| {label} | {r['recipe'].get('step_decay', 0.8)}^j | {c['conversations']:,}, "
-                     f"{c['assistant_tokens']:,} | {t['steps']:,} ({t['epochs']}) | {taus} ({est}) | "
-                     + " | ".join(f2(r["measured_tau_per_set"].get(n)) for n in sets) + " |")
+        share = round(100 * b["corpus"] / (b["corpus"] + b["train"]))
+        lines.append(f"| {label} | {share} : {100 - share} | {r['recipe'].get('step_decay', 0.8)}^j "
+                     f"| {c['conversations']:,}, {c['assistant_tokens']:,} | {t['steps']:,} ({t['epochs']}) "
+                     f"| {taus} ({est}) | " + " | ".join(f2(r["measured_tau_per_set"].get(n)) for n in sets) + " |")
     return ("\n".join(lines) + "\n\nSet columns: τ at chain k=4 on that set's check prompts. Each row is one "
-            "`make-draft --hours 1` run, on its own machine (below), so the hosts differ as well as the two settings."
-            "\n\n" + sources_footer(MADE, MADE_STOPPED))
+            "`make-draft --hours 1` run with the code of its day (below); the first ran on another host."
+            "\n\n" + sources_footer(MADE, MADE_STOPPED, MADE_NOW))
 
 
 def t_make_prompts() -> str:
@@ -619,8 +624,8 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "corpus-mix": (t_corpus_mix, [CORPUS_MIX_RUNS, *(corpus_mix_bench(n) for n, _ in CORPUS_MIX)]),
     "make-prompts": (t_make_prompts, [MAKE_PROMPTS]),
     "stop-loops": (t_stop_loops, [STOP_LOOPS]),
-    "make-draft-loops": (t_make_draft_loops, [MADE, MADE_STOPPED]),
-    "make-draft-time": (t_make_draft_time, [MADE, "make_draft/tiny-llama-q8_0.report.json", TIME_TO_DRAFT, MADE_BENCH]),
+    "make-draft-loops": (t_make_draft_loops, [MADE, MADE_STOPPED, MADE_NOW]),
+    "make-draft-time": (t_make_draft_time, [MADE_NOW, TINY_MADE, TIME_TO_DRAFT, MADE_NOW_BENCH]),
 }
 TABLES["suffix-steep"] = (t_suffix_steep, [SUFFIX_CURVE_STEEP, SUFFIX_STEEP])
 TABLES["suffix-replay"] = ((lambda: t_recorded(SUFFIX_REPLAY)), [SUFFIX_REPLAY])

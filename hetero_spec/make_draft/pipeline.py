@@ -118,8 +118,18 @@ def corpus_stage(plan: Plan, paths: Paths, state: State, progress: bool = True) 
     st.update(done=True, seconds=round(spent, 1))
     state.save()
     own = _conversations([p for p in parts if part_kind(p) == "self"])
+    looped = f"; {looped_turns(paths, parts)} turns ended in a loop" if plan.stop_loops else ""
     say(f"corpus: {_conversations(parts)} conversations" + (f" ({own} on requests the model wrote)" if own else "")
-        + f", {sum(p.get('tokens', 0) for p in parts)} tokens in {spent / 60:.1f} min")
+        + f", {sum(p.get('tokens', 0) for p in parts)} tokens in {spent / 60:.1f} min{looped}")
+
+
+def looped_turns(paths: Paths, parts: list[dict]) -> int:
+    """Answer turns the corpus ended in a repetition loop (``generate-corpus --stop-loops``), as each part's
+    manifest counts them (a part with nothing to answer has none)."""
+    import json
+
+    manifests = (paths.corpus / p["dir"] / "manifest.json" for p in parts)
+    return sum(json.loads(m.read_text())["counts"].get("stopped_in_loop", 0) for m in manifests if m.is_file())
 
 
 def _next_part(plan: Plan, parts: list[dict], n_source: int) -> dict | None:

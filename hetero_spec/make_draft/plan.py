@@ -50,19 +50,23 @@ class Budget:
         return self.corpus_s + self.train_s + self.check_s + self.reserve_s
 
 
+CORPUS_SHARE_CPU, CORPUS_SHARE_GPU = 0.55, 0.6  # of what the check and the reserve leave
+
+
 def split_budget(hours: float, gpu: bool) -> Budget:
     """Split ``hours`` across the stages.
 
-    WHY these shares: on a CPU a training step costs about as much as generating its tokens did, so
-    the data and the steps are balanced with a tilt to training (the shipped darter kept improving
-    over 3 epochs; a fresh corpus costs one pass).  With a GPU a step is ~50x cheaper, the corpus (on
-    the CPU, llama.cpp) is the bottleneck, and it gets the larger share.  The held-out check is
-    capped at 10 minutes: it measures, it does not improve the draft."""
+    WHY these shares: a draft made in an hour is limited by the target tokens the hour generates, not
+    by training steps (a step on 4,096 tokens costs about a fifth of generating them).  On SmolLM2 on a
+    CPU, 40% of the corpus and training time to the corpus trained 7 epochs; 55% trained 4 on 1.43x the
+    conversations, with a higher τ on every bench set (docs/make_draft.md, "How the hour is split").
+    With a GPU a step is ~50x cheaper and the corpus (on the CPU, llama.cpp) gets more.  The held-out
+    check is capped at 10 minutes: it measures, it does not improve the draft."""
     total = hours * 3600.0
     check = min(0.05 * total, 600.0)
     reserve = 0.05 * total
     rest = total - check - reserve
-    corpus = rest * (0.6 if gpu else 0.4)
+    corpus = rest * (CORPUS_SHARE_GPU if gpu else CORPUS_SHARE_CPU)
     return Budget(corpus_s=corpus, train_s=rest - corpus, check_s=check, reserve_s=reserve)
 
 

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from .. import atomic_file
+from .pipeline import looped_turns
 from .plan import part_kind
 
 
@@ -58,7 +59,9 @@ def build_report(plan, state, paths, chain: int) -> dict:
                    # of them, answers to requests the model wrote itself (``--self-prompts``, a share of the budget)
                    "self_prompts": plan.self_prompts,
                    "self_conversations": sum(p.get("conversations", 0) for p in parts if part_kind(p) == "self"),
-                   "self_requests_sampled": sum(p.get("sampled", 0) for p in parts)},
+                   "self_requests_sampled": sum(p.get("sampled", 0) for p in parts),
+                   # answer turns ended where training stops scoring a repetition loop (0: the plan ran them out)
+                   "stop_loops": plan.stop_loops, "stopped_in_loop": looped_turns(paths, parts)},
         "recipe": {**{k: plan.train[k] for k in ("variant", "taps", "n_blocks", "unroll_steps", "chain_sample",
                                                   "reduced_vocab", "loop_keep", "lr")},
                    "step_decay": plan.train.get("step_decay", 0.8)},
@@ -79,9 +82,11 @@ def summary_lines(report: dict) -> list[str]:
     per_set = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in report["measured_tau_per_set"].items())
     own = report["corpus"].get("self_conversations", 0)  # reports made before --self-prompts have none
     own_part = f"{own} on requests the model wrote; " if own else ""
+    looped = report["corpus"].get("stopped_in_loop", 0)  # reports made before --stop-loops have none
+    loop_part = f"; {looped} turns ended in a loop" if looped else ""
     return [
         f"wrote {report['draft']}: {report['training']['steps']} steps on {report['corpus']['conversations']} "
-        f"conversations ({own_part}{report['corpus']['assistant_tokens']} answer tokens)",
+        f"conversations ({own_part}{report['corpus']['assistant_tokens']} answer tokens{loop_part})",
         f"tau per unrolled step k=1..{len(report['estimated_tau_per_step'])}, held-out estimate: "
         f"{fmt(report['estimated_tau_per_step'])}",
         f"tau per unrolled step, measured on {report['check_prompts']} bench prompts: "

@@ -93,6 +93,7 @@ def test_the_draft_runs_exactly_and_the_report_and_plot_exist(made, tiny_model, 
     for part in (p for p in state if p["conversations"]):
         manifest = json.loads((work / "corpus" / part["dir"] / "manifest.json").read_text())
         assert manifest["options"]["stop_loops"] == 32
+    assert corpus["stop_loops"] == 32  # (answers of 32 tokens end before a loop is 32 tokens deep)
     # run: greedy output with the draft equals plain decoding (both CLIs at once)
     prompt = bench_prompts("gsm8k", 1)[0]
     opts = ["-p", prompt, "-n", "24", "-t", "1", "--ctx", "1024"]

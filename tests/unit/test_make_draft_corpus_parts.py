@@ -1,9 +1,10 @@
-"""How ``make-draft`` cuts its corpus budget into parts: the source's share first, then the model's own requests
-(``--self-prompts``, and the time a source that runs out leaves).
+"""How ``make-draft`` splits the hour and cuts its corpus budget into parts: the source's share first, then the
+model's own requests (``--self-prompts``, and the time a source that runs out leaves).
 
-Pure planning (``pipeline._next_part``): which kind of part comes next, how large, and when the corpus is
-complete, from the parts already recorded and the seconds they took.  The parts themselves (llama.cpp
-decodes) run in ``tests/integration/test_make_draft.py``.
+Pure planning (``plan.split_budget``, ``pipeline._next_part``): which kind of part comes next, how large, and when
+the corpus is complete, from the parts already recorded and the seconds they took; and what the report counts of
+the parts (``pipeline.looped_turns``).  The parts themselves (llama.cpp decodes) run in
+``tests/integration/test_make_draft.py``.
 """
 from __future__ import annotations
 
@@ -97,3 +98,45 @@ def test_a_plan_made_before_loops_were_stopped_keeps_its_corpus_parts_as_they_we
     old = asdict(plan())
     del old["stop_loops"]
     assert Plan.from_dict(json.loads(json.dumps(old))).stop_loops == 0
+
+
+def test_the_hour_is_split_whole_the_check_capped_and_a_gpu_giving_the_corpus_more():
+    """``split_budget``: every second of ``--hours`` goes to a stage, the held-out check never takes more than
+    10 minutes, and a GPU (whose training steps are cheap) leaves the corpus more than a CPU does.  A plan keeps the
+    split it was made with (plan.json), so a change of shares reaches new work folders only."""
+    import json
+    from dataclasses import asdict
+
+    from hetero_spec.make_draft.plan import split_budget
+
+    for hours in (0.02, 1.0, 8.0):
+        cpu, gpu = split_budget(hours, gpu=False), split_budget(hours, gpu=True)
+        for b in (cpu, gpu):
+            assert abs(b.total_s - hours * 3600) < 1e-6 and 0 < b.check_s <= 600 and b.corpus_s > 0 and b.train_s > 0
+        assert gpu.corpus_s > cpu.corpus_s and gpu.train_s < cpu.train_s
+    old = asdict(plan())
+    assert Plan.from_dict(json.loads(json.dumps(old))).budget == plan().budget
+
+
+def test_the_report_counts_the_turns_each_part_ended_in_a_loop(tmp_path):
+    """``looped_turns`` sums the parts' manifests (the corpus's own count, also for parts recorded before the report
+    had one); a part with nothing to answer has no folder and counts none; the summary line says it when any did."""
+    import json
+
+    from hetero_spec.make_draft.pipeline import Paths, looped_turns
+    from hetero_spec.make_draft.report import summary_lines
+
+    paths = Paths(work=tmp_path / "w", out=tmp_path / "d.safetensors")
+    for name, looped in (("part-000", 7), ("part-001", 0), ("part-002", 5)):
+        (paths.corpus / name).mkdir(parents=True)
+        counts = {"conversations": 9, **({"stopped_in_loop": looped} if looped else {})}
+        (paths.corpus / name / "manifest.json").write_text(json.dumps({"counts": counts}))
+    parts = [dict(dir=f"part-{i:03d}") for i in range(4)]  # part-003: a self part that sampled nothing
+    assert looped_turns(paths, parts) == 12
+    report = {"draft": "d.safetensors", "training": {"steps": 3},
+              "corpus": {"conversations": 27, "assistant_tokens": 900, "stopped_in_loop": 12},
+              "estimated_tau_per_step": [1.5], "measured_tau_per_step": [1.4], "measured_tau_per_set": {"mt_bench": 1.4},
+              "check_prompts": 4, "plot": "d.report.png"}
+    assert "(900 answer tokens; 12 turns ended in a loop)" in summary_lines(report)[0]
+    report["corpus"]["stopped_in_loop"] = 0
+    assert "(900 answer tokens)" in summary_lines(report)[0]
