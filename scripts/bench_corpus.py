@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -211,13 +210,12 @@ def main() -> None:
         print(f"{name:11s} median {med['seconds']:7.1f} s, {med['tok_s']:7.1f} tok/s{scored}; "
               f"{medians[base]['seconds'] / med['seconds']:5.2f}x {base}'s speed")
     if a.json:
+        from hetero_spec.bench.command import script_command
         from hetero_spec.bench.server_load import cpu_name
 
-        command = "python scripts/bench_corpus.py " + " ".join(  # the model as the docs name the default one
-            shlex.quote(x) if x != str(a.model) else '"$(python scripts/default_model.py)"' for x in sys.argv[1:])
-        a.json.write_text(json.dumps(dict(command=command, cpu=cpu_name(), model=a.model.name, prompts=len(prompts),
-                                          conversations=span, options=dict(vars(a), model=a.model.name,
-                                                                           json=str(a.json)),
+        a.json.write_text(json.dumps(dict(command=script_command(sys.argv), cpu=cpu_name(), model=a.model.name,
+                                          prompts=len(prompts), conversations=span,
+                                          options=dict(vars(a), model=a.model.name, json=str(a.json)),
                                           runs=runs, medians=medians), indent=1))
 
 

@@ -201,12 +201,14 @@ def main(model: str, draft: str, device: str, names: tuple[str, ...], k: int, ro
         click.echo(f"{n:13s} {weights:13s} {back:6.3f} ms/step back to back, {after:6.3f} after a target decode; "
                    f"equal to float32: k=1 {equal[n][0]:.1%}, chain {equal[n][1]:.1%} ({span} positions)")
     if json_out:
+        from hetero_spec.bench.command import model_arg
+
         with open(json_out, "w", encoding="utf-8") as fh:
             extra = [f"{flag} {value}" for flag, value, default in (
                 ("--device", device, "cpu"), ("--positions", positions, 300), ("--context", context, 300), ("-k", k, 3),
                 ("--threads", target_threads, 2)) if value != default]
             extra += [f"--setting {n}" for n in asked]
-            command = " ".join(['python scripts/bench_draft_step.py "$(python scripts/default_model.py)"',
+            command = " ".join([f"python scripts/bench_draft_step.py {model_arg(model)}",
                                 f"--rounds {rounds}", *extra, f"--json {json_out}"])
             json.dump({"command": command, "k": k, "context": context, "rounds": rounds, "machine": machine(), "settings": out},
                       fh, indent=1)

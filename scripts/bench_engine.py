@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 
+from hetero_spec.bench.command import model_arg
 from hetero_spec.bench.prompts import shipped_text
 from hetero_spec.chat_template import render_chat
 from hetero_spec.engine import Drafting, Engine, Request
@@ -116,7 +117,7 @@ def main(model, slots, prompts, max_tokens, threads, draft, passes, json_out):
                    f"in llama_decode {r['decode_s']:.2f} s; {r['steps']} steps of {r['rows_per_step']:.1f} rows; a "
                    f"plain-rows step {r['plain_step_ms']:.1f} ms{extra}")
     if json_out:
-        command = (f'python scripts/bench_engine.py "$(python scripts/default_model.py)" --slots {slots} --prompts '
+        command = (f'python scripts/bench_engine.py {model_arg(model)} --slots {slots} --prompts '
                    f'{prompts} --max-tokens {max_tokens}' + (f" -t {threads}" if threads else "")
                    + (f" --draft {draft}" if draft else "") + (f" --passes {passes}" if passes > 1 else "")
                    + f" --json {json_out}")

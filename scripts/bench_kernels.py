@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from hetero_spec.bench.command import model_arg
 from hetero_spec.cpu_features import cpu_info
 from hetero_spec.target.kernels import ENV, MODES, decide
 
@@ -64,7 +65,7 @@ def main() -> None:
     table = {m: {n: statistics.median(c["verify_ms"][str(n)] for c in curves[m]) for n in ns} for m in modes}
     cpu, flags = cpu_info()
     result = {
-        "command": " ".join(["python", "scripts/bench_kernels.py", args.model.name, "--modes", ",".join(modes),
+        "command": " ".join(["python", "scripts/bench_kernels.py", model_arg(args.model), "--modes", ",".join(modes),
                              "--passes", str(args.passes), "--threads", str(args.threads)]),
         "cpu": cpu, "cpu_flags": sorted(f for f in flags if f.startswith(("avx", "amx"))),
         "threads": args.threads, "passes": args.passes, "auto_plan": auto.describe(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 import click
 
 from converters.self_prompts import PromptConfig, make_prompts
+from hetero_spec.bench.command import script_command
 from hetero_spec.bench.server_load import cpu_name
 
 
@@ -66,8 +66,7 @@ def main(model, n, seed, system, template, max_tokens, n_seqs, threads, passes, 
     identical = len({r["sha256"] for rs in runs.values() for r in rs}) == 1
     click.echo(f"every run wrote the same file: {identical}")
     if out:
-        command = "python scripts/bench_make_prompts.py " + " ".join(
-            shlex.quote(a) if a != str(model) else '"$(python scripts/default_model.py)"' for a in sys.argv[1:])
+        command = script_command(sys.argv)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"command": command, "cpu": cpu_name(), "model": model.name, "threads": threads,
                                    "n": n, "system": system, "template": template, "max_tokens": max_tokens,

@@ -26,6 +26,7 @@ from pathlib import Path
 import click
 
 from hetero_spec.api import HeteroSpec
+from hetero_spec.bench.command import model_arg
 from hetero_spec.bench.prompts import load_dataset
 from hetero_spec.calibration import machine_id
 from hetero_spec.config import TreeSpec
@@ -101,7 +102,7 @@ def main(model: Path, draft: Path, shapes: tuple[str, ...], n_prompts: int, max_
                 f"equal to plain" for w in WAYS))
     hs.close()
     if json_out:
-        command = (f'python scripts/bench_tree_draft.py "$(python scripts/default_model.py)" {draft} '
+        command = (f'python scripts/bench_tree_draft.py {model_arg(model)} {draft} '
                    + " ".join(f"--shape {s}" for s in shapes) + f" --n-prompts {n_prompts} --max-tokens {max_tokens} "
                    f"--repeats {repeats} -t {threads} --json {json_out}")
         meta = {"command": command, "machine": machine_id(threads), "cpu_brand": cpu_info()[0], "model": model.name,
