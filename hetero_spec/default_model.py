@@ -33,15 +33,20 @@ def shipped_model_path() -> Path:
     return path
 
 
+def default_model_cache_path(source_size: int) -> Path:
+    """Where the default target made from a shipped file of ``source_size`` bytes is kept; nothing is made.
+    Keyed by the source's size so an upgraded package yields a fresh file."""
+    from .target.gguf_weights import cache_dir
+
+    return cache_dir() / "models" / f"{source_size}-{DEFAULT_FILENAME}"
+
+
 def default_model_path() -> Path:
     """The all-Q4_0 SmolLM2 target, requantized from the shipped file on first use (a few seconds)."""
-    from .target.gguf_weights import cache_dir
     from .target.quantize import QuantizeOptions, quantize
 
     src = shipped_model_path()
-    st = src.stat()
-    # keyed by the source's size so an upgraded package yields a fresh file
-    out = cache_dir() / "models" / f"{st.st_size}-{DEFAULT_FILENAME}"
+    out = default_model_cache_path(src.stat().st_size)
     if not out.is_file():
         with warnings.catch_warnings():  # requantizing Q4_1 is the intended step here
             warnings.simplefilter("ignore", UserWarning)

@@ -11,19 +11,17 @@ import shlex
 from pathlib import Path
 from typing import Sequence
 
-from ..default_model import DEFAULT_FILENAME
+from ..default_model import default_model_cache_path
 
 DEFAULT_MODEL_ARG = '"$(python scripts/default_model.py)"'  # how the docs name the default target
 
 
 def is_default_model(arg: str) -> bool:
-    """``arg`` is the default target's requantization in this machine's cache (``default_model_path``'s file:
-    ``<cache>/models/<size of the shipped file>-SmolLM2-135M-Instruct.Q4_0.gguf``)."""
-    from ..target.gguf_weights import cache_dir
-
+    """``arg`` is the default target's requantization in this machine's cache (``default_model_path``'s file,
+    for a shipped file of any size)."""
     p = Path(arg)
-    size, _, name = p.name.partition("-")
-    return name == DEFAULT_FILENAME and size.isdigit() and p.parent.resolve() == (cache_dir() / "models").resolve()
+    size = p.name.partition("-")[0]
+    return size.isdigit() and p.resolve() == default_model_cache_path(int(size)).resolve()
 
 
 def model_arg(path: str | Path) -> str:
