@@ -8,7 +8,7 @@ all its rows), with the same answers it would get one by one.
 ...     outs = bg.chat([[{"role": "user", "content": q}] for q in questions], max_new_tokens=64)
 >>> outs[0].text, outs[0].stop_reason
 
-With a draft file, the draft model drafts for every greedy slot (``engine/drafts.py``), as deep as
+With a draft file, the draft model drafts for every slot (``engine/drafts.py``), as deep as
 pays on the whole batch.
 """
 from __future__ import annotations

@@ -58,6 +58,7 @@ SERVER_ONE = "server/smollm2-q4_0-xeon-amx-vm-one-client.json"
 SERVER_SLOTS = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients.json"
 SERVER_SLOTS_STEEP = "server/smollm2-q4_0-xeon-amx-vm-batched-8-clients-steep.json"  # the same command, steeper host
 SERVER_SLOTS_EPYC = "server/smollm2-q4_0-epyc-batched-8-clients.json"  # the same parts and the 1-client one, AMD EPYC
+SERVER_SLOTS_SAMPLED = "server/smollm2-q4_0-epyc-batched-8-clients-sampled.json"  # the load sampled, seeded (EPYC)
 ENGINE = "server/smollm2-q4_0-xeon-amx-vm-engine-draft.json"
 CROSS = "server/smollm2-q4_0-xeon-amx-vm-cross-thread.txt"
 DRAFTS = ["smollm2-135m-darter.safetensors", "smollm2-135m-eagle3.safetensors", "smollm2-135m-eagle.safetensors"]
@@ -352,23 +353,31 @@ def _best_ngram(d: dict) -> str:
 
 
 def t_server_slots(rel: str = SERVER_SLOTS) -> str:
+    """The batched part against llama-server; greedy, or sampled (``--temperature``: then our texts are checked
+    against our slots with speculation off, request by request seeded alike)."""
     d = load(rel)
     b = d["batched"]
     from hetero_spec.bench.server_load import paired_ratio, peer_of
 
+    sampled = bool(b.get("temperature"))
+    check = "seeded texts equal to speculation off" if sampled else "greedy texts equal to one sequence alone"
     lines = ["| server | speculation | aggregate tokens/s | against llama-server: ratio of medians / median per pass "
-             "| time to first token p50 / p95 | greedy texts equal to one sequence alone |", "|---|---|---:|---|---|---|"]
+             f"| time to first token p50 / p95 | {check} |", "|---|---|---:|---|---|---|"]
     one = d["load"]
     lines.append(f"| hetero-spec, one sequence at a time | {'the draft model (`auto`)' if d['draft'] else 'off'} "
                  f"| {one['aggregate_tps']:.1f} | | "
-                 f"{one['ttft_s']['p50']:.2f} s / {one['ttft_s']['p95']:.2f} s | (the reference) |")
+                 f"{one['ttft_s']['p50']:.2f} s / {one['ttft_s']['p95']:.2f} s "
+                 f"| {'-' if sampled else '(the reference)'} |")
     names = {"hetero-spec": f"hetero-spec `--parallel {b['parallel']}`", "llama-server": f"llama-server `-np {b['parallel']}`"}
     specs = {("hetero-spec", "on"): "copy drafts priced on the batch", ("llama-server", "off"): "off",
              ("hetero-spec", "off"): "off (`--no-draft`)",
              ("hetero-spec", "draft"): "the draft model and copy drafts, priced on the batch"}
     for c in b["configs"]:
         spec = specs.get((c["server"], c["spec"]), f"`--spec-type {c['spec']}`")
-        same = {True: "yes", False: "no", None: "-"}[c.get("texts_equal_one_sequence")]
+        same = {True: "yes", False: "no", None: "-"}[c.get("texts_equal_undrafted" if sampled
+                                                           else "texts_equal_one_sequence")]
+        if sampled and (c["server"], c["spec"]) == ("hetero-spec", "off"):
+            same = "(the reference)"
         if "aggregate_tps" not in c:
             lines.append(f"| {names[c['server']]} | {spec} | crashed in every pass | | | |")
             continue
@@ -379,8 +388,10 @@ def t_server_slots(rel: str = SERVER_SLOTS) -> str:
               + f" (`{peer['spec']}`)") if peer else ""
         lines.append(f"| {names[c['server']]} | {spec} | {c['aggregate_tps']:.1f}{crashed} | {vs} | {c['ttft_p50_s']:.2f} s / "
                      f"{c['ttft_p95_s']:.2f} s | {same} |")
+    how = f", sampled at temperature {b['temperature']} (request i with seed i)" if sampled else ""
     return ("\n".join(lines) + f"\n\n{one['clients']} concurrent streaming clients, {one['requests']} requests in all "
-            f"(each mt_bench prompt twice), medians of {b['passes']} interleaved passes.\n\n" + sources_footer(rel))
+            f"(each mt_bench prompt twice){how}, medians of {b['passes']} interleaved passes.\n\n"
+            + sources_footer(rel))
 
 
 def t_server_interleaved(rel: str = SERVER_SLOTS_STEEP) -> str:
@@ -616,6 +627,7 @@ TABLES: dict[str, tuple[Callable[[], str], list[str]]] = {
     "server-slots": (t_server_slots, [SERVER_SLOTS]),
     "server-slots-steep": ((lambda: t_server_slots(SERVER_SLOTS_STEEP)), [SERVER_SLOTS_STEEP]),
     "server-slots-epyc": ((lambda: t_server_slots(SERVER_SLOTS_EPYC)), [SERVER_SLOTS_EPYC]),
+    "server-slots-sampled": ((lambda: t_server_slots(SERVER_SLOTS_SAMPLED)), [SERVER_SLOTS_SAMPLED]),
     "server-interleaved": (t_server_interleaved, [SERVER_SLOTS_STEEP]),
     "server-engine": (t_server_engine, [ENGINE]),
     "cross-thread": (t_cross_thread, [CROSS]),

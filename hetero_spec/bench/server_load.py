@@ -91,10 +91,11 @@ class Server:
             self.proc.kill()
 
 
-def stream_chat(http: "httpx.Client", messages: list[dict], max_tokens: int) -> dict:
-    """One streaming request, timed at the client: sent, first text, last byte."""
+def stream_chat(http: "httpx.Client", messages: list[dict], max_tokens: int, sampling: dict | None = None) -> dict:
+    """One streaming request, timed at the client: sent, first text, last byte.  ``sampling``: its
+    ``temperature`` and ``seed`` (none: greedy)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **(sampling or {})}
     t0 = time.perf_counter()
     first = None
     text, stats, usage = [], {}, {}
@@ -194,7 +195,11 @@ def overhead(http, model, engine, prompts, max_tokens, repeats, server_pid: int)
             "all_texts_equal": all(r["same_text"] for r in rows), "server_threads": cpu.summary()}
 
 
-def load(url, prompts, clients, per_client, max_tokens) -> dict:
+def load(url, prompts, clients, per_client, max_tokens, temperature: float = 0.0) -> dict:
+    """``clients`` concurrent streaming clients, ``per_client`` requests each, one after another.  With a
+    ``temperature``, request i of the load (client by client) is sampled with seed i, so a configuration's texts
+    are the same in every run of it: a server that keeps seeded answers whatever it drafts gives each prompt the
+    same set of texts with speculation on and off."""
     import httpx
 
     def one_client(c: int) -> list[dict]:
@@ -204,7 +209,9 @@ def load(url, prompts, clients, per_client, max_tokens) -> dict:
             out = []
             for r in range(per_client):
                 prompt = prompts[(c + r) % len(prompts)]
-                out.append({**stream_chat(http, [{"role": "user", "content": prompt}], max_tokens), "prompt": prompt})
+                sampling = {"temperature": temperature, "seed": c * per_client + r} if temperature > 0 else None
+                out.append({**stream_chat(http, [{"role": "user", "content": prompt}], max_tokens, sampling),
+                            "prompt": prompt})
             return out
 
     t0 = time.perf_counter()
@@ -281,9 +288,13 @@ def llama_server_cmd(model: Path, threads: int, ctx: int, parallel: int, port: i
 
 
 def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, clients, per_client, max_tokens,
-                 repeats: int, reference: dict | None, draft: Path | None = None) -> dict:
+                 repeats: int, reference: dict | None, draft: Path | None = None, temperature: float = 0.0) -> dict:
     """Part 2b: each pass runs every configuration once, in the same order; medians over the passes.  With a
-    DRAFT, ours also runs with it (the draft model's chains beside the copies, all priced on the batch)."""
+    DRAFT, ours also runs with it (the draft model's chains beside the copies, all priced on the batch).
+
+    Greedy, our texts are checked against ``reference`` (one sequence at a time).  Sampled (``temperature``, seeded
+    per request), against our slots with speculation off in the same pass: the engine keeps a seeded answer
+    whatever it drafts (``Engine._accept``).  llama-server's sampler draws differently, so its texts are not."""
     import httpx
 
     from hetero_spec.bench.llama_server import LlamaServer, free_port
@@ -303,19 +314,23 @@ def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, cl
         for (server, spec), args in configs.items():
             if server == "hetero-spec":
                 with Server([str(model), *args]) as srv:
-                    runs[(server, spec)].append(_warm_load(srv.url, prompts, clients, per_client, max_tokens))
+                    runs[(server, spec)].append(_warm_load(srv.url, prompts, clients, per_client, max_tokens,
+                                                           temperature))
             else:
                 port = free_port()
                 srv = LlamaServer(llama_server_cmd(model, threads, ctx, parallel, port, args), port)
                 try:
-                    runs[(server, spec)].append(_warm_load(srv.url, prompts, clients, per_client, max_tokens))
+                    runs[(server, spec)].append(_warm_load(srv.url, prompts, clients, per_client, max_tokens,
+                                                           temperature))
                 except httpx.HTTPError as err:  # the peer's failure is a finding, not the end of the run
                     srv.failed = True  # keeps its log
                     runs[(server, spec)].append({"error": f"{type(err).__name__}: {err}"})
                     sys.stderr.write(f"llama-server {' '.join(args)} failed ({err}); its log: {srv.log}\n")
                 finally:
                     srv.close()
-    out = {"parallel": parallel, "passes": repeats, "configs": []}
+    out = {"parallel": parallel, "passes": repeats, "temperature": temperature, "clients": clients,
+           "requests": clients * per_client, "max_tokens": max_tokens, "configs": []}
+    undrafted = runs[("hetero-spec", SPEC_OFF)]
     for (server, spec), all_runs in runs.items():
         rs = [r for r in all_runs if "error" not in r]
         errors = [r["error"] for r in all_runs if "error" in r]
@@ -326,7 +341,11 @@ def batched_load(model: Path, threads: int, ctx: int, parallel: int, prompts, cl
                  "ttft_p50_s": statistics.median(r["ttft_s"]["p50"] for r in rs),
                  "ttft_p95_s": statistics.median(r["ttft_s"]["p95"] for r in rs),
                  "aggregate_tps_passes": [r["aggregate_tps"] for r in rs], "errors": errors}
-        if reference is not None:  # greedy: ours must equal one sequence at a time; llama-server's, for the record
+        if temperature > 0:
+            if server == "hetero-spec" and spec != SPEC_OFF:  # seeded: the same texts, pass by pass
+                entry["texts_equal_undrafted"] = all(r.get("texts") == u.get("texts")
+                                                     for r, u in zip(all_runs, undrafted))
+        elif reference is not None:  # greedy: ours must equal one sequence at a time; llama-server's, for the record
             entry["texts_equal_one_sequence"] = all(r["texts"] == reference for r in rs)
         out["configs"].append(entry)
     return out
@@ -354,12 +373,12 @@ def paired_ratio(ours: dict, peer: dict) -> float | None:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def _warm_load(url: str, prompts, clients, per_client, max_tokens) -> dict:
+def _warm_load(url: str, prompts, clients, per_client, max_tokens, temperature: float = 0.0) -> dict:
     import httpx
 
     with httpx.Client(base_url=url, timeout=TIMEOUT_S) as http:
         stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
-    return load(url, prompts, clients, per_client, max_tokens)
+    return load(url, prompts, clients, per_client, max_tokens, temperature)
 
 
 def pct(values: list[float]) -> dict:
@@ -398,9 +417,12 @@ def _parts(ctx: click.Context, param: click.Parameter, value: str) -> set[str]:
 @click.option("--passes", default=2, show_default=True, type=click.IntRange(1), help="passes of the batched part")
 @click.option("--main-parallel", default=1, show_default=True, type=click.IntRange(1, 32),
               help="slots of the server parts 1-3 run against (1: one sequence, the reference of part 2b)")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0, 2.0),
+              help="the load and batched parts' requests sampled at this temperature, request i with seed i "
+                   "(0: greedy)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="write the figures as JSON")
 def server_load(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clients, per_client, load_tokens, conversations,
-                wanted, parallel, passes, main_parallel, out):
+                wanted, parallel, passes, main_parallel, temperature, out):
     """The server against run, concurrent clients, and the batched engine against llama-server -np N (docs/server.md)."""
     try:
         import httpx
@@ -415,20 +437,20 @@ def server_load(model, draft, threads, ctx, n_prompts, max_tokens, repeats, clie
             httpx.Client(base_url=srv.url, timeout=TIMEOUT_S) as http:
         stream_chat(http, [{"role": "user", "content": "Hi"}], 4)  # warm-up
         result = {"model": model.name, "draft": draft.name if draft else None, "threads": threads,
-                  "main_parallel": main_parallel,
+                  "main_parallel": main_parallel, "temperature": temperature,
                   "cpu": cpu_name(), "n_cpus": os.cpu_count()}
         if "overhead" in wanted:
             result["overhead"] = overhead(http, model, engine, prompts[:n_prompts], max_tokens, repeats, srv.proc.pid)
         if "load" in wanted:
-            result["load"] = load(srv.url, prompts, clients, per_client, load_tokens)
+            result["load"] = load(srv.url, prompts, clients, per_client, load_tokens, temperature)
         if "turns" in wanted:
             result["turns"] = turns(http, [(t[0], t[1]) for t in rows if len(t) > 1][:conversations], max_tokens)
     if "batched" in wanted:
-        if "load" not in wanted:
+        if "load" not in wanted and temperature == 0:
             click.echo("batched: no load part in this run, so texts are not checked against one sequence", err=True)
         reference = result["load"]["texts"] if "load" in result else None
         result["batched"] = batched_load(model, threads, ctx, parallel, prompts, clients, per_client, load_tokens,
-                                         passes, reference, draft)
+                                         passes, reference, draft, temperature)
     if "interleaved" in wanted:  # twice as many conversations as slots (at least --conversations)
         pairs = [(t[0], t[1]) for t in rows if len(t) > 1]
         result["interleaved"] = interleaved(model, engine, parallel, pairs[:max(conversations, 2 * parallel)],
@@ -459,8 +481,9 @@ def _load_summary(d: dict, queue: bool = False) -> str:
 
 
 def report(r: dict) -> None:
+    sampled = f"; sampled at temperature {r['temperature']}, request i with seed i" if r.get("temperature") else ""
     click.echo(f"model {r['model']}, draft {r['draft']}, threads {r['threads'] or 'default'}; "
-               f"{r['cpu']}, {r['n_cpus']} CPUs")
+               f"{r['cpu']}, {r['n_cpus']} CPUs{sampled}")
     if "overhead" in r:
         o = r["overhead"]
         click.echo(f"1 client over {len(o['rows'])} interleaved runs: decode tokens/s median run "
@@ -489,8 +512,10 @@ def report(r: dict) -> None:
             paired = paired_ratio(c, peer) if peer else None
             vs = (f"; {c['aggregate_tps'] / peer['aggregate_tps']:.2f}x llama-server {peer['spec']}"
                   + (f" (median per pass {paired:.2f}x)" if paired is not None else "")) if peer else ""
-            same = f"; greedy texts equal one-sequence: {c['texts_equal_one_sequence']}" \
-                if "texts_equal_one_sequence" in c else ""
+            same = (f"; greedy texts equal one-sequence: {c['texts_equal_one_sequence']}"
+                    if "texts_equal_one_sequence" in c else
+                    f"; seeded texts equal speculation off: {c['texts_equal_undrafted']}"
+                    if "texts_equal_undrafted" in c else "")
             click.echo(f"  {c['server']:12s} spec {c['spec']:12s} {c['aggregate_tps']:6.1f} tok/s, TTFT p50 "
                        f"{c['ttft_p50_s']:.3f} s p95 {c['ttft_p95_s']:.3f} s{vs}{same}")
     if "interleaved" in r:

@@ -8,9 +8,10 @@
     prompt_cache.py  free slots' cells kept in host memory, put back for a later prompt that starts alike
     answers.py    AnswerGenerator: answers with every row's hidden state (export-features --regenerate)
 
-The engine runs plain rows, prompt chunks and draft rows (greedy requests): copies from suffix
+The engine runs plain rows, prompt chunks and draft rows (greedy and sampled requests): copies from suffix
 matches and, with a draft model, its chains for every slot; every greedy answer equals the same
-prompt decoded alone (tested), whatever else shares the steps.
+prompt decoded alone (tested), whatever else shares the steps, and a seeded sampled one is the same drafted
+or not.
 """
 from __future__ import annotations
 

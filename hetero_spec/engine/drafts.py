@@ -53,7 +53,7 @@ class SlotDraft:
     head: ContextHead
     feats: list[np.ndarray] = field(default_factory=list)  # [m_i, feature_size] float32 blocks
     tokens: list[int] = field(default_factory=list)  # the token that followed each queued row
-    active: bool = False  # serving a request the draft drafts for (greedy)
+    active: bool = False  # serving a request the draft drafts for
 
     @property
     def queued(self) -> int:
@@ -93,15 +93,13 @@ class SlotDrafts:
     def feature_size(self) -> int:
         return self.runner.cfg.input_size
 
-    def start(self, seq: int, prompt: list[int], reused: int, active: bool = True) -> None:
+    def start(self, seq: int, prompt: list[int], reused: int) -> None:
         """Slot ``seq`` takes a request: an empty cache past the ``reused`` prompt cells (skipped: no features),
         context rows for the prompt's tokens."""
         s = self.slots[seq]
         s.cache.n = 0
         s.head.clear()
-        s.feats, s.tokens, s.active = [], [], active
-        if not active:
-            return
+        s.feats, s.tokens, s.active = [], [], True
         s.head.add(prompt)
         self._use(s)
         self.runner.skip(min(reused, self.runner.max_positions))

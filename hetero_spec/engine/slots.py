@@ -53,7 +53,7 @@ class Slot:
     fed: int = 0  # prompt rows decoded so far
     pending: int | None = None  # the picked token not yet decoded
     rng: np.random.Generator | None = None
-    suffix: SuffixRequest | None = None  # prompt + answer so far (and past answers), for copy drafts (greedy)
+    suffix: SuffixRequest | None = None  # prompt + answer so far (and past answers), for copy drafts
     drafts: list[int] = field(default_factory=list)  # this step's proposal, verified after ``pending``
     sure: int = 0  # drafts[:sure] came from a long match, the rest are guesses that fill the batch
     bucket: int = 0  # the match length class of those drafts (Engine.trusted)
@@ -63,6 +63,11 @@ class Slot:
     @property
     def free(self) -> bool:
         return self.request is None
+
+    @property
+    def sampled(self) -> bool:
+        """Its request samples (a draft is kept only as often as the draw agrees: acceptance counted apart)."""
+        return self.rng is not None
 
     @property
     def prefilling(self) -> bool:
@@ -84,14 +89,13 @@ class Slot:
 
     def assign(self, request: Request, cache: SuffixCache | None = None, reuse: int = 0) -> None:
         """Take ``request``, whose first ``reuse`` prompt tokens are in the cells already; ``cache``: draft by
-        suffix match over its text and the past answers there (only greedy requests draft)."""
+        suffix match over its text and the past answers there (greedy and sampled requests alike)."""
         self.request, self.fed, self.pending, self.drafts, self.sure = request, reuse, None, [], 0
         self.shadow = ShadowChain()
         request.seq = self.seq
         self.cached = []
         self.rng = None if request.sampling.greedy else np.random.default_rng(request.sampling.seed)
-        self.suffix = (SuffixRequest(request.prompt, cache, key=prompt_key(request.prompt))
-                       if cache is not None and request.sampling.greedy else None)
+        self.suffix = None if cache is None else SuffixRequest(request.prompt, cache, key=prompt_key(request.prompt))
 
     def release(self) -> Request:
         """Free the slot; its cells keep the request's text (``cached``) for a later prompt that starts alike."""

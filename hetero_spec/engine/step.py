@@ -5,7 +5,8 @@ slot's pending token and its drafts (the same number for all), pad rows that kee
 one micro-batch, and one prompt chunk (``scheduler.py`` says why this layout); llama.cpp cuts it
 into micro-batches of at most 32 rows, the bound under which its rows are batch-invariant, so a
 greedy answer is the same whoever else is served (tested against single-sequence decoding, logits
-bit for bit).  How many drafts a step verifies is priced on the batch (``cost.py``).
+bit for bit), and so is a seeded sampled one, drafted or not (``Engine._accept``).  How many drafts a
+step verifies is priced on the batch (``cost.py``).
 
 Drafts come from two sources: copies of what followed a suffix match in the request's text or in past
 answers (``spec/suffix.py``), and, with a draft model (``drafts.py``), the model's chains for slots with
@@ -43,7 +44,8 @@ class Drafting:
     text, in its prompt, its answer so far and past answers (``spec/suffix.py``), up to ``lookup_depth``
     tokens a step (0: off), trusted behind a match of at least ``lookup_min_match`` tokens (the first
     proposed token was right 94% of the time after 8 or more on SmolLM2's answers, ``spec/lookup.py``),
-    greedy requests only; ``cache_tokens`` of past answers are kept.
+    for greedy and sampled requests alike (``Engine._accept`` says why a sampled answer is the same with drafts
+    as without); ``cache_tokens`` of past answers are kept.
     ``priced``: the draft length of a step is the one with the most expected tokens per millisecond
     (``cost.py``); off, every step verifies the longest trusted proposal (for tests)."""
 
@@ -119,13 +121,14 @@ class Engine:
         self.prices_measured_s = 0.0
         # acceptance of trusted drafts by the length of the match behind them (an exact repeat of a past answer
         # matches far back and is copied almost whole), of the draft model's chains, and of guesses that only
-        # fill the batch's width
-        self.trusted = {b: Acceptance(prior=p) for b, p in zip(MATCH_BUCKETS, (0.8, 0.9, 0.95))}
-        self.trusted[NEURAL] = Acceptance(prior=NEURAL_PRIOR)
+        # fill the batch's width; for greedy and sampled requests apart (keyed (sampled, bucket)), since a sampled
+        # answer takes a draft token only as often as it draws it (the same priors: each is measured within steps)
+        priors = {**dict(zip(MATCH_BUCKETS, (0.8, 0.9, 0.95))), NEURAL: NEURAL_PRIOR}
+        self.trusted = {(sampled, b): Acceptance(prior=p) for sampled in (False, True) for b, p in priors.items()}
         self._probe_every = PROBE_EVERY  # steps without drafting before a probe (doubles while probes do not pay)
         self._since_draft = PROBE_EVERY  # the first chance to draft probes
         self._after_probe = False
-        self.guess = Acceptance(prior=0.1)
+        self.guess = {sampled: Acceptance(prior=0.1) for sampled in (False, True)}
         self._last_rows = 0  # rows of the last step's decode
         self.suffix_cache = SuffixCache(SuffixConfig(max_depth=max(1, drafting.lookup_depth),
                                                      cache_tokens=drafting.cache_tokens))
@@ -266,7 +269,7 @@ class Engine:
             reused += reuse
             restored += reuse - a.reuse
             if self.draft is not None:
-                self.draft.start(a.slot.seq, a.slot.request.prompt, reuse, active=a.slot.rng is None)
+                self.draft.start(a.slot.seq, a.slot.request.prompt, reuse)
         proposals = self._propose()
         probed: set[Slot] = set()
         if self.draft is not None:
@@ -283,7 +286,7 @@ class Engine:
             k = ks.get(slot, 0)
             slot.drafts, slot.sure, slot.bucket = prop.tokens[:k], min(prop.sure, k), prop.bucket
             if k == 0 and prop.sure and prop.bucket != NEURAL and not slot.shadow.guesses:
-                slot.shadow.open(prop.tokens[:prop.sure], partial(self._shadowed, prop.bucket))
+                slot.shadow.open(prop.tokens[:prop.sure], partial(self._shadowed, (slot.sampled, prop.bucket)))
         plan = sch.plan(ks)
         if not plan.rows:
             return None, finished
@@ -360,7 +363,7 @@ class Engine:
         return request
 
     def _propose(self) -> dict[Slot, Proposal]:
-        """Each generating greedy slot's prompt-lookup drafts, up to ``lookup_depth``: trusted behind a match
+        """Each generating slot's prompt-lookup drafts, up to ``lookup_depth``: trusted behind a match
         of ``lookup_min_match`` tokens, else guesses (a shorter match's continuation, else the pending token
         repeated) that fill the batch's width when other slots draft."""
         d = self.drafting
@@ -390,7 +393,7 @@ class Engine:
         return max(0, min(req.max_new_tokens - len(req.out) - 1, self.target.seq_ctx - 1 - slot.n_past))
 
     def _draft_chains(self, copies: dict[Slot, Proposal]) -> dict[Slot, Proposal]:
-        """The draft model's chains for generating greedy slots without a copy behind a long match, as deep as
+        """The draft model's chains for generating slots without a copy behind a long match, as deep as
         pays on this step (``_draft_depth``); trusted as drafts of their own kind (``NEURAL``)."""
         slots = [s for s in self.scheduler.generating if self.draft.slots[s.seq].active
                  and not (s in copies and copies[s].sure)]
@@ -431,14 +434,14 @@ class Engine:
             return depth, True
         if not self.cost.known:
             return 0, False
-        rate, n_gen = self.trusted[NEURAL].rate, len(self.scheduler.generating)
+        rates, n_gen = [self.trusted[s.sampled, NEURAL].rate for s in slots], len(self.scheduler.generating)
         read = self.draft.read_ms if self.draft.read_ms is not None else self.draft.step_ms  # a step's kept rows
         best_k, best_value = 0, -1.0
         shape, ub = self.scheduler.shape(), self.target.options.max_rows
         for k in range(depth + 1):
             ms = self.cost.step_ms(shape.counts({s: k for s in slots}), ub)
             draft_ms = read + k * self.draft.step_ms if k else 0.0
-            value = (n_gen + len(slots) * expected_accepted([rate] * k)) / (ms + draft_ms)
+            value = (n_gen + sum(expected_accepted([rate] * k) for rate in rates)) / (ms + draft_ms)
             if value > best_value:
                 best_k, best_value = k, value
         return best_k, False
@@ -469,7 +472,7 @@ class Engine:
         # expected accepted drafts of each slot's first k proposals, for every k (trusted, then guesses)
         gains = {}
         for slot, p in proposals.items():
-            trusted, guess = self.trusted[p.bucket].rate, self.guess.rate
+            trusted, guess = self.trusted[slot.sampled, p.bucket].rate, self.guess[slot.sampled].rate
             run, reach = [0.0], 1.0
             for i in range(len(p.tokens)):
                 reach *= trusted if i < p.sure else guess
@@ -492,9 +495,16 @@ class Engine:
         return best
 
     def _accept(self, slot: Slot, logits: list[np.ndarray]) -> int:
-        """Greedy acceptance of the slot's rows: row i's token is kept, and row i+1 counts only if row i's
-        token is the draft decoded there; returns the drafts accepted.  ``slot.pending`` is the last
-        kept token (its cell is not in the cache yet)."""
+        """The slot's tokens from its rows: row i's token is picked (``_pick``) and kept, and row i+1 counts only
+        if row i's token is the draft decoded there; returns the drafts accepted.  ``slot.pending`` is the last
+        kept token (its cell is not in the cache yet).
+
+        WHY a sampled request may draft: every draft here is one token per row, not a distribution, and for such a
+        draft d speculative sampling's rule (accept with probability p(d), else draw from p without d) keeps the
+        same tokens as drawing x from p and keeping d only if x == d.  Each picked token takes the slot's next
+        uniform, and the rows after a miss are dropped unread, so the i-th answer token always takes the i-th
+        uniform from the same logits (bit-identical by batch invariance): a seeded answer is the same drafted or
+        not, whoever shares the steps.  llama.cpp's server verifies its drafts for sampled requests the same way."""
         drafts, sure = slot.drafts, slot.sure
         slot.drafts, slot.sure = [], 0
         slot.pending = None
@@ -510,15 +520,15 @@ class Engine:
             break
         if drafts:
             reached = min(accepted + 1, len(drafts))
-            self._count_trusted(slot.bucket, sure, min(accepted, sure))
-            self.guess.count(max(0, reached - sure), max(0, accepted - sure))
+            self._count_trusted((slot.sampled, slot.bucket), sure, min(accepted, sure))
+            self.guess[slot.sampled].count(max(0, reached - sure), max(0, accepted - sure))
         if slot.suffix is not None:
             slot.suffix.extend(slot.request.out[len(slot.suffix.output):])
         slot.request.drafted += len(drafts)
         slot.request.accepted += accepted
         return accepted
 
-    def _shadowed(self, bucket: int, depth: int, matched: int) -> None:
+    def _shadowed(self, key: tuple[bool, int], depth: int, matched: int) -> None:
         """A trusted copy of ``depth`` tokens that no step verified, settled against the tokens the target picked
         next: counted as a verified one is (``_count_trusted``, as ``_accept`` counts).
 
@@ -526,13 +536,14 @@ class Engine:
         prior, or by a spell of rejected copies) stays out for good, whatever the requests now copy.  On the 2-core
         EPYC at one thread, where 17 rows cost 10-14 one-row decodes, an exact repeat of a past answer (accepted
         whole) was priced at the longest class's prior of 0.95 and drafted nothing in some calibrations.  Greedy
-        answers check a copy for free, as ``auto`` does (``spec/shadow.py``)."""
-        self._count_trusted(bucket, depth, matched)
+        answers check a copy for free, as ``auto`` does (``spec/shadow.py``); so do sampled ones, whose picked tokens
+        are those a verified copy would have kept (``_accept``)."""
+        self._count_trusted(key, depth, matched)
 
-    def _count_trusted(self, bucket: int, depth: int, matched: int) -> None:
+    def _count_trusted(self, key: tuple[bool, int], depth: int, matched: int) -> None:
         """A trusted chain of ``depth`` tokens whose first ``matched`` were the target's: the rows up to its first
-        miss were reached (the miss included), those ``matched`` accepted."""
-        self.trusted[bucket].count(min(matched + 1, depth), matched)
+        miss were reached (the miss included), those ``matched`` accepted; ``key``: (sampled, match bucket)."""
+        self.trusted[key].count(min(matched + 1, depth), matched)
 
     def _pick(self, slot: Slot, logits: np.ndarray) -> int:
         """The slot's next token from one row's logits; ends the request at EOG, max tokens or a full slot."""

@@ -5,11 +5,11 @@ one request at a time through ``HeteroSpec`` it keeps up to N requests in the sl
 ``hetero_spec.engine.Engine``: each step is one ``llama_decode`` holding every active slot's rows.
 The model is loaded, used and closed on this thread (``worker.py`` says why).
 
-Plain rows and, for greedy requests, draft rows as many per step as pay on the whole batch
-(``engine/cost.py``): copies from suffix matches, and with a draft model its chains, every slot's in
-the same decode.  Greedy answers equal the same
-request served alone, bit for bit (tests/integration/test_engine.py checks the logits;
-tests/integration/test_server.py the texts through the server).
+Plain rows and draft rows, as many per step as pay on the whole batch (``engine/cost.py``): copies from
+suffix matches, and with a draft model its chains, every slot's in the same decode.  Greedy answers equal the
+same request served alone, bit for bit, and a seeded sampled answer is the same drafted or not
+(tests/integration/test_engine.py checks the logits; tests/integration/test_server.py the texts through the
+server).
 """
 from __future__ import annotations
 

@@ -130,6 +130,56 @@ def test_seeded_sampling_equals_itself_alone(model_path, prompts):
     assert crowd.out == alone and len(alone) > 1
 
 
+def test_a_seeded_sampled_answer_copies_and_stays_the_same_as_undrafted(model_path, prompts):
+    """Sampled requests draft too (``Engine._accept``): each picked token takes the slot's next uniform from the
+    same logits, so a seeded answer that verifies copies in a crowd (every proposal verified, unpriced) equals the
+    same request decoded with no drafts, token for token and logits bit for bit; and its repeat copies the first
+    answer from its first step, every copied row accepted, counted apart from greedy copies."""
+    sampling = SamplingConfig(temperature=0.9, seed=1234)
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1)
+    with SequenceTarget(model_path, opts) as target:
+        undrafted = Request(prompts[2], MAX_NEW[2], sampling=sampling, keep_logits=True)
+        for _ in Engine(target).run([undrafted]):  # no drafting
+            pass
+    with copying_engine(model_path) as engine:
+        first = Request(prompts[2], MAX_NEW[2], sampling=sampling, keep_logits=True)
+        crowd = [Request(prompts[1], 20), Request(prompts[1], 20, sampling=SamplingConfig(seed=5))]
+        for _ in engine.run([first, *crowd]):
+            pass
+        repeat = Request(prompts[2], MAX_NEW[2], sampling=sampling, keep_logits=True)
+        for _ in engine.run([repeat]):
+            pass
+        greedy_reached = engine.trusted[False, 32].reached
+    for req in (first, repeat):
+        assert req.out == undrafted.out
+        assert all(np.array_equal(a, b) for a, b in zip(req.logits, undrafted.logits))
+    assert repeat.accepted == repeat.drafted > 0 and len(set(undrafted.out)) > 1
+    assert engine.trusted[True, 32].accepted >= repeat.accepted and greedy_reached == 0
+
+
+def test_a_seeded_sampled_answer_is_the_same_with_the_draft_model_drafting(model_path, prompts):
+    """The draft model's chains are one token per row as copies are: a sampled request with them verified every
+    step (3 deep, unpriced) equals itself with no drafts, logits bit for bit, and keeps some of them."""
+    from hetero_spec.api import draft_taps
+
+    sampling = SamplingConfig(temperature=0.5, seed=7)
+    opts = SequenceOptions(n_seq=2, seq_ctx=SEQ_CTX, n_threads=1, features=True, taps=draft_taps(DARTER))
+    with SequenceTarget(model_path, opts) as target:
+        undrafted = Request(prompts[4], 24, sampling=sampling, keep_logits=True)
+        for _ in Engine(target).run([undrafted]):
+            pass
+        for seq in range(opts.n_seq):  # the next engine's slots start empty
+            target.clear(seq)
+        engine = Engine(target, drafting=Drafting(draft_depth=3, priced=False), draft=slot_drafts(target, 2))
+        drafted = Request(prompts[4], 24, sampling=sampling, keep_logits=True)
+        for _ in engine.run([drafted, Request(prompts[2], 24)]):
+            pass
+    assert drafted.out == undrafted.out
+    assert all(np.array_equal(a, b) for a, b in zip(drafted.logits, undrafted.logits))
+    assert drafted.drafted > 0 and drafted.accepted > 0
+    assert engine.trusted[True, 0].reached > 0
+
+
 @pytest.mark.parametrize("lookup", [0, 4], ids=["plain", "lookup"])
 def test_an_answer_that_fills_its_slot_ends_where_plain_decoding_does(model_path, prompts, lookup):
     """Its last token is picked with every cell of the slot held, as ``run``'s is at a full context; the
@@ -356,7 +406,7 @@ def test_a_copy_priced_out_by_its_prior_is_checked_unverified_until_it_pays(mode
         engine.submit(first)
         for _ in engine.run():
             pass
-        prior = engine.trusted[32].rate
+        prior = engine.trusted[False, 32].rate
         repeat = Request(prompts[2], 40)
         engine.submit(repeat)
         drafted = [rec.draft_rows for rec, _ in engine.run() if rec and not rec.prompt_rows]
@@ -364,9 +414,9 @@ def test_a_copy_priced_out_by_its_prior_is_checked_unverified_until_it_pays(mode
     assert prior == pytest.approx(0.95) and drafted[0] == 0  # priced out at the prior
     if shadowed:
         assert repeat.accepted == repeat.drafted > 0, drafted
-        assert engine.trusted[32].reached > repeat.drafted  # the unverified copies' evidence came first
+        assert engine.trusted[False, 32].reached > repeat.drafted  # the unverified copies' evidence came first
     else:
-        assert repeat.drafted == 0 and engine.trusted[32].reached == 0
+        assert repeat.drafted == 0 and engine.trusted[False, 32].reached == 0
 
 
 def test_a_request_in_flight_lends_its_answer_to_a_repeat_behind_it(model_path, prompts, reference):

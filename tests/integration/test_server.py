@@ -831,12 +831,14 @@ def test_parallel_with_a_one_sequence_option_is_refused_in_one_line(model_path, 
     assert proc.stderr.startswith(error) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_path, http):
+def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_path, http, slot_http):
     """``serve MODEL`` with no draft model: 4 slots (llama-server's default), prompt-lookup rows priced on the
     batch, and greedy answers equal to the one-sequence server's.  Whether copies pay beside three other
     generating slots depends on this machine's measured row costs; the same request again, alone, copies its
     past answer (a match of its full length, one slot generating), checked unverified until its match class has
-    shown itself right (``Engine._shadowed``), which pays wherever a few rows cost less than as many decodes."""
+    shown itself right (``Engine._shadowed``), which pays wherever a few rows cost less than as many decodes.
+    A seeded sampled request does the same, and its answer is the one the slots give it with no drafts at all
+    (``--no-draft``)."""
     prompt = "Repeat this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa."
     cases = [prompt, *PROMPTS[:3]]
     alone = [http.post("/v1/chat/completions", json=chat_body(p, max_tokens=48)).json() for p in cases]
@@ -853,5 +855,11 @@ def test_default_serve_is_four_slots_with_priced_lookup_and_stays_exact(model_pa
             again = c.post("/v1/chat/completions", json=chat_body(prompt, max_tokens=48)).json()
             assert again["choices"][0]["message"]["content"] == alone[0]["choices"][0]["message"]["content"]
             assert metric(c, "hetero_spec_accepted_rows_total") > before  # the repeat copied its past answer
+            sampled = chat_body(prompt, max_tokens=48, temperature=0.8, seed=11)
+            undrafted = slot_http.post("/v1/chat/completions", json=sampled).json()
+            first, repeat = (c.post("/v1/chat/completions", json=sampled).json() for _ in range(2))
+            for r in (first, repeat):
+                assert r["choices"][0]["message"]["content"] == undrafted["choices"][0]["message"]["content"]
+            assert undrafted["hetero_spec"]["drafted_tokens"] == 0 and repeat["hetero_spec"]["accepted_tokens"] > 0
     finally:
         assert srv.stop() == 0, "\n".join(srv.lines[-20:])
